@@ -1,0 +1,1 @@
+//! The gpupool.io API types.
