@@ -1,1 +1,3 @@
 //! The gpupool.io API types.
+
+pub mod catalog;

@@ -1,0 +1,1 @@
+//! MIG profile catalog (placeholder; filled by the GPU backends work).
