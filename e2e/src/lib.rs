@@ -1,1 +1,30 @@
 //! End-to-end test harness for gpupool.
+//!
+//! It runs the tests against a real control plane — etcd, kube-apiserver,
+//! kube-controller-manager, kube-scheduler, and kwok for fake GPU nodes —
+//! started by the `e2e/cluster` script from binaries that
+//! `e2e/tools/build.sh` builds from pinned Go modules (and caches).
+//!
+//! ```text
+//! e2e/run-tests.sh                       # build/reuse tools, up, cargo test -p gpupool-e2e, down
+//! cargo test -p gpupool-e2e              # the harness starts (and later stops) its own cluster
+//! GPUPOOL_E2E_REUSE=1 KUBECONFIG=… cargo test -p gpupool-e2e   # use a running cluster
+//! ```
+//!
+//! A test gets the shared [`Cluster`] with [`Cluster::shared`], its own
+//! names and namespace with [`TestScope`], a client with
+//! [`Cluster::client`], and the built kubectl with [`Cluster::kubectl`]. See
+//! [`cluster`] for how the cluster is started and always torn down.
+
+pub mod cluster;
+pub mod crds;
+pub mod kubectl;
+pub mod manifest;
+pub mod scope;
+pub mod tools;
+pub mod wait;
+
+pub use cluster::{Cluster, FAKE_NODE_LABEL};
+pub use kubectl::Kubectl;
+pub use scope::TestScope;
+pub use tools::{Tools, repo_root};
