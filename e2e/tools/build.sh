@@ -73,10 +73,10 @@ find_go() {
 }
 
 # The version a wrapper module pins for a module path, read from its go.mod
-# require lines (replace lines, which contain "=>", are skipped).
+# require lines (replace lines, which contain "=>", and comments are skipped).
 pinned_version() {
     local modfile=$1 path=$2
-    awk -v p="$path" '!/=>/ { for (i = 1; i < NF; i++) if ($i == p) { print $(i + 1); exit } }' "$modfile"
+    awk -v p="$path" '!/=>/ && !/^[[:space:]]*\/\// { for (i = 1; i < NF; i++) if ($i == p) { print $(i + 1); exit } }' "$modfile"
 }
 
 ldflags_of() {

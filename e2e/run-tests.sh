@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Runs gpupool's end-to-end tests against a fresh local control plane:
+# builds (or reuses) the tools, brings the cluster up, runs
+# `cargo test -p gpupool-e2e` against it, and always takes it down again —
+# on success, on test failure, and on Ctrl-C.
+#
+#   e2e/run-tests.sh [cargo test args...]     e.g. e2e/run-tests.sh -- --test-threads=2
+#
+# Environment:
+#   GPUPOOL_E2E_DIR        cluster state directory (default <repo>/target/e2e-run)
+#   GPUPOOL_E2E_NODES      fake GPU nodes (default 3)
+#   GPUPOOL_E2E_KEEP_LOGS  where to copy the component logs when tests fail
+#                          (default <repo>/target/e2e-logs)
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export GPUPOOL_E2E_DIR=${GPUPOOL_E2E_DIR:-$REPO/target/e2e-run}
+NODES=${GPUPOOL_E2E_NODES:-3}
+KEEP_LOGS=${GPUPOOL_E2E_KEEP_LOGS:-$REPO/target/e2e-logs}
+CLUSTER="$REPO/e2e/cluster"
+
+say() { printf 'run-tests: %s\n' "$*" >&2; }
+
+teardown() {
+    local rc=$?
+    trap - EXIT INT TERM
+    if ((rc != 0)) && [[ -d $GPUPOOL_E2E_DIR/logs ]]; then
+        rm -rf "$KEEP_LOGS"
+        mkdir -p "$KEEP_LOGS"
+        cp -r "$GPUPOOL_E2E_DIR/logs/." "$KEEP_LOGS/" || true
+        say "tests failed (exit $rc); component logs copied to $KEEP_LOGS"
+    fi
+    say "taking the cluster down"
+    if ! "$CLUSTER" down; then
+        say "e2e/cluster down failed; state left in $GPUPOOL_E2E_DIR"
+        ((rc != 0)) || rc=1
+    fi
+    exit "$rc"
+}
+trap teardown EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+say "building or reusing the tools"
+"$REPO/e2e/tools/build.sh"
+
+say "bringing the cluster up in $GPUPOOL_E2E_DIR"
+"$CLUSTER" up --nodes "$NODES" >/dev/null
+export KUBECONFIG=$GPUPOOL_E2E_DIR/kubeconfig
+export GPUPOOL_E2E_REUSE=1
+
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$REPO/target}
+say "cargo test -p gpupool-e2e $*"
+cargo test -p gpupool-e2e "$@"
