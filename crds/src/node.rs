@@ -1,0 +1,320 @@
+//! The `GpuNode` resource: one per GPU node, spec from the operator, status from the node agent.
+
+use crate::policy::{CdiPolicy, DriverPolicy, MigStrategy};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use kube::core::Duration;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The desired state of one GPU node, resolved by the operator from the node's pool.
+/// Named after its Node.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "gpupool.io",
+    version = "v1alpha1",
+    kind = "GpuNode",
+    plural = "gpunodes",
+    shortname = "gn",
+    category = "gpupool",
+    status = "GpuNodeStatus",
+    printcolumn = r#"{"name":"Pool","type":"string","jsonPath":".spec.pool"}"#,
+    printcolumn = r#"{"name":"GPUs","type":"integer","jsonPath":".status.gpuCount"}"#,
+    printcolumn = r#"{"name":"Healthy","type":"integer","jsonPath":".status.healthyGpus"}"#,
+    printcolumn = r#"{"name":"MIG-State","type":"string","jsonPath":".status.mig.state"}"#,
+    printcolumn = r#"{"name":"Driver","type":"string","jsonPath":".status.driverVersion"}"#,
+    printcolumn = r#"{"name":"Valid","type":"string","description":"All driver checks passed","jsonPath":".status.validated"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuNodeSpec {
+    /// The pool this node belongs to.
+    pub pool: String,
+
+    /// Driver requirements and checks.
+    #[serde(default)]
+    pub driver: DriverPolicy,
+
+    /// CDI spec options.
+    #[serde(default)]
+    pub cdi: CdiPolicy,
+
+    /// The MIG layout resolved for this node's GPUs.
+    #[serde(default)]
+    pub mig: NodeMigSpec,
+
+    /// What the agent needs of the pool's reclaim policy.
+    #[serde(default)]
+    pub utilization: UtilizationSpec,
+}
+
+/// The MIG layout for one node, GPU by GPU.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeMigSpec {
+    /// How MIG devices are advertised.
+    #[serde(default)]
+    pub strategy: MigStrategy,
+
+    /// Whether the pool asks for a layout at all; when false, MIG is left as found.
+    #[serde(default)]
+    pub managed: bool,
+
+    /// The layout's name, for display (`all-1g.10gb`, `custom`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout_name: Option<String>,
+
+    /// Wanted state per GPU index. GPUs not listed keep MIG as found.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<GpuMigSpec>,
+}
+
+/// Wanted MIG state of one GPU.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuMigSpec {
+    /// GPU index.
+    pub index: u32,
+    /// MIG mode on.
+    pub enabled: bool,
+    /// Profiles and counts.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub profiles: BTreeMap<String, u32>,
+}
+
+/// Sampling settings the agent needs for idleness.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct UtilizationSpec {
+    /// Utilization (percent) at or below which a sample counts as idle.
+    pub idle_threshold: u32,
+    /// How often to sample.
+    pub sample_interval: Duration,
+}
+
+impl Default for UtilizationSpec {
+    fn default() -> Self {
+        Self {
+            idle_threshold: 5,
+            sample_interval: Duration::from(std::time::Duration::from_secs(30)),
+        }
+    }
+}
+
+/// What the node agent observes.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuNodeStatus {
+    /// The spec generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+
+    /// NVIDIA driver version, e.g. `550.54.15`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver_version: Option<String>,
+
+    /// Highest CUDA version the driver supports, e.g. `12.4`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_version: Option<String>,
+
+    /// Physical GPUs found.
+    #[serde(default)]
+    pub gpu_count: u32,
+
+    /// GPUs with no health fault.
+    #[serde(default)]
+    pub healthy_gpus: u32,
+
+    /// `True` when every check passed, `False` when one failed, `Unknown` before the first run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validated: Option<String>,
+
+    /// Each driver check and its result.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub checks: Vec<CheckResult>,
+
+    /// The GPUs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<GpuStatus>,
+
+    /// MIG reconfiguration state.
+    #[serde(default)]
+    pub mig: NodeMigStatus,
+
+    /// The CDI spec written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cdi: Option<CdiStatus>,
+
+    /// Agent-level conditions (e.g. `PodResourcesAvailable`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// One driver check.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckResult {
+    /// The check, e.g. `DriverVersion`, `CUDAVersion`, `ECCErrors`.
+    pub name: String,
+    /// Whether it passed.
+    pub passed: bool,
+    /// What was found, and on failure what to do.
+    pub message: String,
+}
+
+/// Health of a device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum Health {
+    /// No fault.
+    #[default]
+    Healthy,
+    /// Faulted; see `reason`.
+    Unhealthy,
+}
+
+/// Activity of a device as last sampled.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum Activity {
+    /// Activity was observed.
+    Busy,
+    /// No activity was observed.
+    Idle,
+    /// Activity cannot be observed; never treated as idle.
+    #[default]
+    Unknown,
+}
+
+/// A pod holding a device.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodRef {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// Container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
+}
+
+/// Utilization-derived idleness of one device, and its holders.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Idleness {
+    /// What the last samples showed.
+    #[serde(default)]
+    pub activity: Activity,
+    /// Since when the device has been continuously idle; absent while busy or unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_since: Option<Time>,
+    /// Pods holding the device, from the kubelet PodResources API.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<PodRef>,
+}
+
+/// One physical GPU.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuStatus {
+    /// Index (NVML order).
+    pub index: u32,
+    /// `GPU-…` UUID.
+    pub uuid: String,
+    /// Product name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub model: String,
+    /// Memory in MiB.
+    pub memory_mib: u64,
+    /// PCI bus id, e.g. `0000:17:00.0`.
+    pub pci_bus_id: String,
+    /// Health.
+    #[serde(default)]
+    pub health: Health,
+    /// Why it is unhealthy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// MIG mode currently on.
+    #[serde(default)]
+    pub mig_enabled: bool,
+    /// MIG mode after the next GPU reset, when it differs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_pending: Option<bool>,
+    /// MIG devices.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_devices: Vec<MigDeviceStatus>,
+    /// Idleness (whole GPU; MIG devices carry their own).
+    #[serde(default, flatten)]
+    pub idleness: Idleness,
+}
+
+/// One MIG device.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MigDeviceStatus {
+    /// `MIG-…` UUID.
+    pub uuid: String,
+    /// Profile, e.g. `1g.10gb`.
+    pub profile: String,
+    /// GPU instance id.
+    pub gpu_instance: u32,
+    /// Compute instance id.
+    pub compute_instance: u32,
+    /// CDI device name, e.g. `gpupool.io/gpu=0:1`.
+    pub cdi_name: String,
+    /// Health.
+    #[serde(default)]
+    pub health: Health,
+    /// Idleness.
+    #[serde(default, flatten)]
+    pub idleness: Idleness,
+}
+
+/// MIG reconfiguration states.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum MigState {
+    /// Nothing asked or nothing to do yet.
+    #[default]
+    Idle,
+    /// Waiting for GPU pods to leave the GPUs being changed.
+    Draining,
+    /// Changing MIG mode and instances.
+    Applying,
+    /// The hardware matches the layout.
+    Applied,
+    /// Applying failed; see `reason`.
+    Failed,
+}
+
+/// MIG state of a node.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeMigStatus {
+    /// Where reconfiguration stands.
+    #[serde(default)]
+    pub state: MigState,
+    /// Why, when `Failed` or waiting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Details.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// GPU indices being changed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<u32>,
+    /// The spec generation whose layout this state refers to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// The node's CDI spec.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CdiStatus {
+    /// Path of the spec file.
+    pub path: String,
+    /// `sha256:` digest of its content.
+    pub digest: String,
+    /// Devices it names.
+    #[serde(default)]
+    pub devices: u32,
+}

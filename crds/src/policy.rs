@@ -1,0 +1,549 @@
+//! Pool-level policies: driver validation, CDI generation, MIG layout and idle reclamation.
+//!
+//! These types are shared by [`GpuPool`](crate::GpuPool) (what the user writes) and, where
+//! the node needs them, by [`GpuNode`](crate::GpuNode) (what the operator resolves per node).
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use kube::KubeSchema;
+use kube::core::Duration;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Every MIG profile name that some supported GPU model offers. The CEL rule on layouts
+/// rejects any other name at admission; whether a profile exists on a *given* model is
+/// checked per node by the operator, since the model is only known from the node.
+pub const KNOWN_MIG_PROFILES: &[&str] = &[
+    // A100-SXM4-40GB
+    "1g.5gb",
+    "1g.5gb+me",
+    "1g.10gb",
+    "2g.10gb",
+    "3g.20gb",
+    "4g.20gb",
+    "7g.40gb",
+    // A100-80GB, H100-80GB
+    "1g.10gb+me",
+    "1g.20gb",
+    "2g.20gb",
+    "3g.40gb",
+    "4g.40gb",
+    "7g.80gb",
+    // H200-141GB
+    "1g.18gb",
+    "1g.18gb+me",
+    "1g.35gb",
+    "2g.35gb",
+    "3g.71gb",
+    "4g.71gb",
+    "7g.141gb",
+    // A30-24GB
+    "1g.6gb",
+    "1g.6gb+me",
+    "2g.12gb",
+    "2g.12gb+me",
+    "4g.24gb",
+];
+
+/// Presets that need no profile name.
+pub const FIXED_MIG_PRESETS: &[&str] = &["all-disabled", "all-enabled", "all-balanced"];
+
+/// Annotation a pod owner sets to opt a pod out of reclamation: `disabled`, or
+/// `disabled-until=<RFC 3339 time>` for an opt-out that expires.
+pub const RECLAIM_OPT_OUT_ANNOTATION: &str = "gpupool.io/reclaim";
+
+fn cel_string_list(items: &[&str]) -> String {
+    let quoted: Vec<String> = items.iter().map(|s| format!("'{s}'")).collect();
+    format!("[{}]", quoted.join(", "))
+}
+
+/// CEL: a path field must be absolute and free of `..` components.
+fn absolute_path_rule(field: &str) -> kube::core::Rule {
+    kube::core::Rule::new("self.startsWith('/') && !self.split('/').exists(p, p == '..')").message(
+        kube::core::Message::Message(format!(
+            "{field} must be an absolute path without '..' components, e.g. /var/run/cdi"
+        )),
+    )
+}
+
+fn profile_names_rule() -> kube::core::Rule {
+    kube::core::Rule::new(format!(
+        "self.all(k, k in {})",
+        cel_string_list(KNOWN_MIG_PROFILES)
+    ))
+    .message(kube::core::Message::Message(format!(
+        "unknown MIG profile name; valid names are: {}",
+        KNOWN_MIG_PROFILES.join(", ")
+    )))
+}
+
+fn profile_fit_rule() -> kube::core::Rule {
+    kube::core::Rule::new("self.map(k, int(k.split('g.')[0]) * self[k]).sum() <= 7").message(
+        "the profiles need more than the 7 compute slices a GPU has: lower the counts \
+         (the leading number of a profile name is its compute slices, e.g. 3g.40gb uses 3)",
+    )
+}
+
+fn profile_count_rule() -> kube::core::Rule {
+    kube::core::Rule::new("self.all(k, self[k] >= 1 && self[k] <= 7)")
+        .message("each profile count must be between 1 and 7")
+}
+
+fn preset_rule() -> kube::core::Rule {
+    kube::core::Rule::new(format!(
+        "self in {} || (self.startsWith('all-') && self.substring(4) in {})",
+        cel_string_list(FIXED_MIG_PRESETS),
+        cel_string_list(KNOWN_MIG_PROFILES)
+    ))
+    .message(
+        "unknown MIG preset: use all-disabled, all-enabled, all-balanced, or all-<profile> \
+         such as all-1g.10gb",
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Driver validation
+// ---------------------------------------------------------------------------------------------
+
+/// Driver requirements and the health checks a node must pass to serve GPUs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DriverPolicy {
+    /// Lowest acceptable NVIDIA driver version, e.g. `550.54.15` (one to three dot-separated numbers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9]+(\.[0-9]+){0,2}$"))]
+    pub min_version: Option<String>,
+
+    /// CUDA version the pool's workloads need, e.g. `12.4`. The driver's supported CUDA version
+    /// must be at least this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9]+\.[0-9]+$"))]
+    pub cuda_version: Option<String>,
+
+    /// Health checks the node agent runs. Defaults to all of them.
+    #[serde(default = "DriverCheck::all")]
+    #[schemars(length(max = 16))]
+    pub checks: Vec<DriverCheck>,
+
+    /// A PCIe replay counter at or above this fails the `PCIeReplay` check.
+    #[serde(default = "default_pcie_replay_threshold")]
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub pcie_replay_threshold: u32,
+
+    /// What a failed check does: `Report` only reports it; `Taint` also taints the node
+    /// `gpupool.io/driver-invalid:NoSchedule` until it passes again.
+    #[serde(default)]
+    pub on_failure: OnFailure,
+}
+
+impl Default for DriverPolicy {
+    fn default() -> Self {
+        Self {
+            min_version: None,
+            cuda_version: None,
+            checks: DriverCheck::all(),
+            pcie_replay_threshold: default_pcie_replay_threshold(),
+            on_failure: OnFailure::default(),
+        }
+    }
+}
+
+fn default_pcie_replay_threshold() -> u32 {
+    100
+}
+
+/// A driver or device health check.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+pub enum DriverCheck {
+    /// NVML loads and initialises.
+    #[serde(rename = "NVMLInit")]
+    NvmlInit,
+    /// `/proc/driver/nvidia/version` exists: the kernel module is loaded.
+    KernelModule,
+    /// `/dev/nvidiactl`, `/dev/nvidia-uvm` and `/dev/nvidiaN` per GPU exist under the driver root.
+    DeviceNodes,
+    /// No GPU reports uncorrected (double-bit) ECC errors.
+    #[serde(rename = "ECCErrors")]
+    EccErrors,
+    /// No GPU's PCIe replay counter reaches `pcieReplayThreshold`.
+    #[serde(rename = "PCIeReplay")]
+    PcieReplay,
+    /// No fatal Xid error since boot.
+    XidErrors,
+    /// Persistence mode is on for every GPU.
+    PersistenceMode,
+}
+
+impl DriverCheck {
+    /// Every check, in the order the agent runs them.
+    pub fn all() -> Vec<DriverCheck> {
+        vec![
+            DriverCheck::NvmlInit,
+            DriverCheck::KernelModule,
+            DriverCheck::DeviceNodes,
+            DriverCheck::EccErrors,
+            DriverCheck::PcieReplay,
+            DriverCheck::XidErrors,
+            DriverCheck::PersistenceMode,
+        ]
+    }
+}
+
+/// What a failed driver check does to the node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum OnFailure {
+    /// Report the failure in status and Events only.
+    #[default]
+    Report,
+    /// Also taint the node `gpupool.io/driver-invalid:NoSchedule` until it passes.
+    Taint,
+}
+
+// ---------------------------------------------------------------------------------------------
+// CDI
+// ---------------------------------------------------------------------------------------------
+
+/// How the node agent generates the node's CDI spec.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CdiPolicy {
+    /// Write a CDI spec on each node. When false, an existing spec written by gpupool is removed.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+
+    /// Directory the spec is written to; the container runtime must read CDI specs from it.
+    #[serde(default = "default_spec_dir")]
+    #[x_kube(validation = absolute_path_rule("cdi.specDir"))]
+    #[schemars(length(max = 256))]
+    pub spec_dir: String,
+
+    /// Root of the driver installation on the host (`/` for a host-installed driver,
+    /// `/run/nvidia/driver` for a containerized one).
+    #[serde(default = "default_driver_root")]
+    #[x_kube(validation = absolute_path_rule("cdi.driverRoot"))]
+    #[schemars(length(max = 256))]
+    pub driver_root: String,
+
+    /// CDI kind (`vendor/class`) of the devices, e.g. `gpupool.io/gpu`. Pods then get devices
+    /// named `gpupool.io/gpu=0`.
+    #[serde(default = "default_cdi_kind")]
+    #[schemars(
+        regex(
+            pattern = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?$"
+        ),
+        length(max = 128)
+    )]
+    pub kind: String,
+
+    /// Names each GPU gets in the spec: `index` (`0`, `0:1` for MIG) and/or `uuid` (`GPU-…`, `MIG-…`).
+    #[serde(default = "CdiDeviceNameStrategy::all")]
+    #[schemars(length(min = 1, max = 2))]
+    pub device_name_strategies: Vec<CdiDeviceNameStrategy>,
+}
+
+impl Default for CdiPolicy {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            spec_dir: default_spec_dir(),
+            driver_root: default_driver_root(),
+            kind: default_cdi_kind(),
+            device_name_strategies: CdiDeviceNameStrategy::all(),
+        }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_spec_dir() -> String {
+    "/var/run/cdi".into()
+}
+fn default_driver_root() -> String {
+    "/".into()
+}
+fn default_cdi_kind() -> String {
+    "gpupool.io/gpu".into()
+}
+
+/// How devices are named in the CDI spec.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum CdiDeviceNameStrategy {
+    /// By index: `0`, `1`, and `<gpu>:<mig>` for MIG devices.
+    Index,
+    /// By UUID: `GPU-…`, `MIG-…`.
+    Uuid,
+}
+
+impl CdiDeviceNameStrategy {
+    /// Both strategies (the default), matching `nvidia-ctk cdi generate`.
+    pub fn all() -> Vec<CdiDeviceNameStrategy> {
+        vec![CdiDeviceNameStrategy::Index, CdiDeviceNameStrategy::Uuid]
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// MIG
+// ---------------------------------------------------------------------------------------------
+
+/// How GPUs are partitioned and advertised.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new(
+    "self.strategy != 'mixed' || (has(self.layout) && (has(self.layout.preset) ? !(self.layout.preset in ['all-disabled', 'all-enabled']) : self.layout.custom.exists(e, size(e.profiles) > 0)))"
+).message("strategy mixed advertises nvidia.com/mig-<profile> resources, so mig.layout must name at least one profile (a preset other than all-disabled or all-enabled, or a custom entry with profiles)"))]
+#[x_kube(validation = kube::core::Rule::new(
+    "self.strategy != 'single' || !has(self.layout) || !has(self.layout.preset) || self.layout.preset != 'all-balanced'"
+).message("strategy single advertises one profile as nvidia.com/gpu, so it cannot use the all-balanced preset, which mixes profiles: use mixed, or a preset all-<profile>"))]
+pub struct MigPolicy {
+    /// How MIG devices are advertised to the kubelet, as NVIDIA's device plugin does:
+    /// `none` (whole GPUs as `nvidia.com/gpu`), `single` (the one MIG profile as `nvidia.com/gpu`),
+    /// `mixed` (`nvidia.com/mig-<profile>` per profile).
+    #[serde(default)]
+    pub strategy: MigStrategy,
+
+    /// The wanted partitioning. Absent: gpupool leaves MIG as it finds it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<MigLayout>,
+}
+
+/// MIG advertising strategy (NVIDIA's naming).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum MigStrategy {
+    /// Whole GPUs only.
+    #[default]
+    None,
+    /// All MIG devices on a node share one profile and are advertised as `nvidia.com/gpu`.
+    Single,
+    /// Each profile is its own resource, `nvidia.com/mig-<profile>`.
+    Mixed,
+}
+
+/// A MIG layout: a named preset or a custom list, exactly one of the two.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new("has(self.preset) != has(self.custom)")
+    .message("mig.layout needs exactly one of preset or custom"))]
+pub struct MigLayout {
+    /// A named layout for every GPU: `all-disabled`, `all-enabled` (MIG on, no instances),
+    /// `all-balanced` (a mix per model), or `all-<profile>` (as many of one profile as fit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = preset_rule())]
+    #[schemars(length(max = 32))]
+    pub preset: Option<String>,
+
+    /// Entries applied in order; the first entry that matches a GPU (by index and model) wins.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 16))]
+    pub custom: Option<Vec<MigLayoutEntry>>,
+}
+
+/// One rule of a custom MIG layout.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new("self.enabled || size(self.profiles) == 0")
+    .message("an entry with enabled: false turns MIG off, so it cannot list profiles"))]
+pub struct MigLayoutEntry {
+    /// GPU indices this entry applies to. Absent: every GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 16))]
+    pub gpus: Option<Vec<u32>>,
+
+    /// GPU product names this entry applies to, as in the `nvidia.com/gpu.product` label
+    /// (e.g. `NVIDIA-H100-80GB-HBM3`). Absent: every model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 16))]
+    pub models: Option<Vec<String>>,
+
+    /// Whether MIG mode is on for these GPUs.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+
+    /// MIG profiles and how many of each, e.g. `{"1g.10gb": 7}` or `{"3g.40gb": 1, "2g.20gb": 1, "1g.10gb": 2}`.
+    #[serde(default)]
+    #[x_kube(validation = profile_names_rule())]
+    #[x_kube(validation = profile_count_rule())]
+    #[x_kube(validation = profile_fit_rule())]
+    #[schemars(extend("maxProperties" = 16))]
+    pub profiles: BTreeMap<String, u32>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reclaim
+// ---------------------------------------------------------------------------------------------
+
+/// When and how GPU pods that sit idle are reclaimed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new("self.action != 'Delete' || self.allowDelete")
+    .message("action Delete removes pods without eviction: set allowDelete: true to confirm, or use Auto or Evict"))]
+pub struct ReclaimPolicy {
+    /// `Off` disables reclamation; `DryRun` warns and reports what it would do; `Enforce` acts.
+    #[serde(default)]
+    pub mode: ReclaimMode,
+
+    /// Utilization (percent) at or below which a sample counts as idle.
+    #[serde(default = "default_idle_threshold")]
+    #[schemars(range(max = 100))]
+    pub idle_threshold: u32,
+
+    /// How long every GPU of a pod must be continuously idle before the pod is warned.
+    /// Any activity resets the clock. Between 5m and 720h.
+    #[serde(default = "default_idle_after")]
+    #[schemars(regex(pattern = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$"))]
+    #[x_kube(validation = kube::core::Rule::new("duration(self) >= duration('5m') && duration(self) <= duration('720h')")
+        .message("idleAfter must be between 5m and 720h, e.g. 2h"))]
+    pub idle_after: Duration,
+
+    /// Time between the warning and the action. Between 0s and 168h.
+    #[serde(default = "default_grace_period")]
+    #[schemars(regex(pattern = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$"))]
+    #[x_kube(validation = kube::core::Rule::new("duration(self) >= duration('0s') && duration(self) <= duration('168h')")
+        .message("gracePeriod must be between 0s and 168h, e.g. 30m"))]
+    pub grace_period: Duration,
+
+    /// Pods younger than this are never considered idle (model loading, data staging). Between 0s and 24h.
+    #[serde(default = "default_startup_grace_period")]
+    #[schemars(regex(pattern = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$"))]
+    #[x_kube(validation = kube::core::Rule::new("duration(self) >= duration('0s') && duration(self) <= duration('24h')")
+        .message("startupGracePeriod must be between 0s and 24h, e.g. 15m"))]
+    pub startup_grace_period: Duration,
+
+    /// What is done at the deadline. `Auto` suspends a Job-like owner that supports
+    /// `spec.suspend` and evicts otherwise.
+    #[serde(default)]
+    pub action: ReclaimAction,
+
+    /// Confirms `action: Delete`.
+    #[serde(default)]
+    pub allow_delete: bool,
+
+    /// Act only while pods that want this pool's GPUs are pending.
+    #[serde(default)]
+    pub only_under_pressure: bool,
+
+    /// Cap on actions per pool.
+    #[serde(default)]
+    pub rate_limit: RateLimit,
+
+    /// Pods that are never reclaimed. `kube-system` is always exempt, and so is any pod
+    /// annotated `gpupool.io/reclaim: disabled`.
+    #[serde(default)]
+    pub exemptions: ReclaimExemptions,
+}
+
+impl Default for ReclaimPolicy {
+    fn default() -> Self {
+        Self {
+            mode: ReclaimMode::default(),
+            idle_threshold: default_idle_threshold(),
+            idle_after: default_idle_after(),
+            grace_period: default_grace_period(),
+            startup_grace_period: default_startup_grace_period(),
+            action: ReclaimAction::default(),
+            allow_delete: false,
+            only_under_pressure: false,
+            rate_limit: RateLimit::default(),
+            exemptions: ReclaimExemptions::default(),
+        }
+    }
+}
+
+fn default_idle_threshold() -> u32 {
+    5
+}
+fn duration_secs(secs: u64) -> Duration {
+    Duration::from(std::time::Duration::from_secs(secs))
+}
+fn default_idle_after() -> Duration {
+    duration_secs(2 * 3600)
+}
+fn default_grace_period() -> Duration {
+    duration_secs(30 * 60)
+}
+fn default_startup_grace_period() -> Duration {
+    duration_secs(15 * 60)
+}
+
+/// Whether the reclaimer acts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ReclaimMode {
+    /// No warnings, no actions.
+    Off,
+    /// Warn and report what would be done (evictions are checked server-side with dryRun).
+    #[default]
+    DryRun,
+    /// Warn, then act.
+    Enforce,
+}
+
+/// The action taken on an idle pod at its deadline.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ReclaimAction {
+    /// Suspend a Job-like owner that supports `spec.suspend`; evict otherwise.
+    #[default]
+    Auto,
+    /// Warn only.
+    NotifyOnly,
+    /// Set `spec.suspend: true` on the owning Job.
+    Suspend,
+    /// Evict through the Eviction API (PodDisruptionBudgets apply).
+    Evict,
+    /// Delete the pod (needs `allowDelete`).
+    Delete,
+}
+
+/// Cap on reclaim actions per pool.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RateLimit {
+    /// Most actions per interval.
+    #[serde(default = "default_max_actions")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_actions: u32,
+
+    /// The interval. Between 1m and 24h.
+    #[serde(default = "default_rate_interval")]
+    #[schemars(regex(pattern = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$"))]
+    #[x_kube(validation = kube::core::Rule::new("duration(self) >= duration('1m') && duration(self) <= duration('24h')")
+        .message("rateLimit.interval must be between 1m and 24h"))]
+    pub interval: Duration,
+}
+
+impl Default for RateLimit {
+    fn default() -> Self {
+        Self {
+            max_actions: default_max_actions(),
+            interval: default_rate_interval(),
+        }
+    }
+}
+
+fn default_max_actions() -> u32 {
+    5
+}
+fn default_rate_interval() -> Duration {
+    duration_secs(10 * 60)
+}
+
+/// Pods the reclaimer never touches.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReclaimExemptions {
+    /// Namespaces whose pods are exempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace_selector: Option<LabelSelector>,
+
+    /// Pods that are exempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_selector: Option<LabelSelector>,
+
+    /// Pods with one of these priority classes are exempt.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub priority_class_names: Vec<String>,
+}
