@@ -10,40 +10,10 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// Every MIG profile name that some supported GPU model offers. The CEL rule on layouts
-/// rejects any other name at admission; whether a profile exists on a *given* model is
-/// checked per node by the operator, since the model is only known from the node.
-pub const KNOWN_MIG_PROFILES: &[&str] = &[
-    // A100-SXM4-40GB
-    "1g.5gb",
-    "1g.5gb+me",
-    "1g.10gb",
-    "2g.10gb",
-    "3g.20gb",
-    "4g.20gb",
-    "7g.40gb",
-    // A100-80GB, H100-80GB
-    "1g.10gb+me",
-    "1g.20gb",
-    "2g.20gb",
-    "3g.40gb",
-    "4g.40gb",
-    "7g.80gb",
-    // H200-141GB
-    "1g.18gb",
-    "1g.18gb+me",
-    "1g.35gb",
-    "2g.35gb",
-    "3g.71gb",
-    "4g.71gb",
-    "7g.141gb",
-    // A30-24GB
-    "1g.6gb",
-    "1g.6gb+me",
-    "2g.12gb",
-    "2g.12gb+me",
-    "4g.24gb",
-];
+/// Every MIG profile name that some supported GPU model offers (from the catalog). The CEL
+/// rule on layouts rejects any other name at admission; whether a profile exists on a *given*
+/// model is checked per node by the operator, since the model is only known from the node.
+pub use crate::catalog::ALL_PROFILE_NAMES as KNOWN_MIG_PROFILES;
 
 /// Presets that need no profile name.
 pub const FIXED_MIG_PRESETS: &[&str] = &["all-disabled", "all-enabled", "all-balanced"];
