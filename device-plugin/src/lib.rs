@@ -1,1 +1,2 @@
 //! gpupool node agent.
+pub mod backend;
