@@ -1,2 +1,3 @@
 //! gpupool node agent.
 pub mod backend;
+pub mod plugin;
