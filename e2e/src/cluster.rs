@@ -184,7 +184,7 @@ fn script(state_dir: &Path, args: &[&str]) -> Command {
 }
 
 /// Starts a detached process that waits for this process to exit and then
-/// runs `e2e/cluster down` for `state_dir` (and removes its lock file).
+/// runs `e2e/cluster down` for `state_dir`.
 fn start_teardown_watchdog(state_dir: &Path) -> Result<()> {
     use std::os::unix::process::CommandExt;
 
@@ -200,7 +200,7 @@ fn start_teardown_watchdog(state_dir: &Path) -> Result<()> {
         .with_context(|| format!("duplicating {}", log_path.display()))?;
     // `tail --pid` returns once the test process is gone.
     let watchdog =
-        r#"tail --pid="$1" -f /dev/null; "$2" down && rm -f "$3.lock" "$3.teardown.log""#;
+        r#"tail --pid="$1" -f /dev/null; "$2" down && rm -f "$3.teardown.log""#;
     Command::new("sh")
         .arg("-c")
         .arg(watchdog)

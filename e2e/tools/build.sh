@@ -208,7 +208,7 @@ main() {
                 return 0
                 ;;
             -h | --help)
-                sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+                awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
                 return 0
                 ;;
             -*)
