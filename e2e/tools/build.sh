@@ -18,7 +18,12 @@
 set -euo pipefail
 
 TOOLS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-CACHE_DIR=${GPUPOOL_CACHE_DIR:-${HOME:-/root}/.cache/gpupool}
+# Go keeps its caches under $HOME; some CI environments do not set it.
+if [[ -z ${HOME:-} ]]; then
+    HOME=$(getent passwd "$(id -u)" | cut -d: -f6)
+    export HOME
+fi
+CACHE_DIR=${GPUPOOL_CACHE_DIR:-$HOME/.cache/gpupool}
 BUILD_P=${GPUPOOL_GO_BUILD_P:-2}
 
 # component -> wrapper module directory and Go package, in build order.
@@ -59,17 +64,44 @@ pins_hash() {
 BIN_DIR="$CACHE_DIR/bin/$(pins_hash)"
 LOG_DIR="$CACHE_DIR/logs/$(basename "$BIN_DIR")"
 
+# The Go the wrapper modules need (their `go` lines say 1.26).
+GO_MIN_MINOR=26
+GO_FALLBACK_TOOLCHAIN=go1.26.8
+
+go_minor() {
+    "$1" env GOVERSION 2>/dev/null | sed -n 's/^go1\.\([0-9]*\).*/\1/p'
+}
+
+# Picks $GO, else the first of `go` on PATH and /usr/local/go/bin/go that is
+# new enough. With only an older Go (>= 1.21), that Go fetches
+# $GO_FALLBACK_TOOLCHAIN from the module proxy (GOTOOLCHAIN).
 find_go() {
+    local candidates=() c minor oldest=""
     if [[ -n ${GO:-} ]]; then
-        echo "$GO"
-    elif command -v go >/dev/null 2>&1; then
-        command -v go
-    elif [[ -x /usr/local/go/bin/go ]]; then
-        echo /usr/local/go/bin/go
+        candidates=("$GO")
     else
-        echo "build.sh: no Go toolchain found (set GO=/path/to/go; Go >= 1.26 is needed)" >&2
-        return 1
+        if command -v go >/dev/null 2>&1; then candidates+=("$(command -v go)"); fi
+        candidates+=(/usr/local/go/bin/go)
     fi
+    for c in "${candidates[@]}"; do
+        [[ -x $c ]] || continue
+        minor=$(GOTOOLCHAIN=local go_minor "$c")
+        [[ -n $minor ]] || continue
+        if ((minor >= GO_MIN_MINOR)); then
+            GO_BIN=$c
+            GO_TOOLCHAIN=local
+            return 0
+        fi
+        if ((minor >= 21)) && [[ -z $oldest ]]; then oldest=$c; fi
+    done
+    if [[ -n $oldest ]]; then
+        echo "build.sh: $oldest is older than go1.$GO_MIN_MINOR; using GOTOOLCHAIN=$GO_FALLBACK_TOOLCHAIN" >&2
+        GO_BIN=$oldest
+        GO_TOOLCHAIN=$GO_FALLBACK_TOOLCHAIN
+        return 0
+    fi
+    echo "build.sh: no usable Go toolchain found (need go1.$GO_MIN_MINOR+; set GO=/path/to/go)" >&2
+    return 1
 }
 
 # The version a wrapper module pins for a module path, read from its go.mod
@@ -179,7 +211,7 @@ build_one() {
     if ! (
         cd "$TOOLS_DIR/$mod"
         echo "+ go build -p $BUILD_P -trimpath -buildvcs=false -ldflags '$ld' -o $BIN_DIR/.$comp.tmp $pkg"
-        CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=readonly \
+        CGO_ENABLED=0 GOFLAGS=-mod=readonly \
             "$GO_BIN" build -p "$BUILD_P" -trimpath -buildvcs=false -ldflags "$ld" \
             -o "$BIN_DIR/.$comp.tmp" "$pkg"
         if [[ $comp == kwok ]]; then install_kwok_stages; fi
@@ -235,7 +267,8 @@ main() {
         return 0
     fi
 
-    GO_BIN=$(find_go)
+    find_go
+    export GOTOOLCHAIN=$GO_TOOLCHAIN
     mkdir -p "$BIN_DIR" "$LOG_DIR"
     # One build at a time, across processes too (test harness and scripts).
     exec 9>"$BIN_DIR/.lock"
