@@ -1,3 +1,7 @@
 //! gpupool node agent.
 pub mod backend;
+pub mod cdi;
+pub mod inventory;
+pub mod mig;
 pub mod plugin;
+pub mod validate;

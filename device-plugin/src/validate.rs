@@ -1,0 +1,548 @@
+//! Driver validation: the checks a GpuNode's driver policy asks for, each reported as
+//! `{name, passed, message}`.
+//!
+//! [`observe`] gathers facts from NVML and the host (I/O); [`run_checks`] judges them against
+//! the policy (pure, table-tested).
+
+use std::cmp::Ordering;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use gpupool_crds::node::CheckResult;
+use gpupool_crds::policy::{DriverCheck, DriverPolicy};
+
+use crate::backend::{CudaVersion, DriverInfo, GpuBackend, HealthSnapshot};
+
+/// The minimum Linux driver of each CUDA toolkit release (major, minor, driver), from the
+/// "CUDA Toolkit and Corresponding Driver Versions" table of NVIDIA's CUDA Toolkit release
+/// notes (<https://docs.nvidia.com/cuda/cuda-toolkit-release-notes/index.html>, table 3,
+/// "Toolkit Driver Version", Linux x86_64, GA release of each minor version).
+pub const CUDA_MIN_DRIVER: &[(u32, u32, &str)] = &[
+    (11, 0, "450.36.06"),
+    (11, 1, "455.23.05"),
+    (11, 2, "460.27.03"),
+    (11, 3, "465.19.01"),
+    (11, 4, "470.42.01"),
+    (11, 5, "495.29.05"),
+    (11, 6, "510.39.01"),
+    (11, 7, "515.43.04"),
+    (11, 8, "520.61.05"),
+    (12, 0, "525.60.13"),
+    (12, 1, "530.30.02"),
+    (12, 2, "535.54.03"),
+    (12, 3, "545.23.06"),
+    (12, 4, "550.54.14"),
+    (12, 5, "555.42.02"),
+    (12, 6, "560.28.03"),
+    (12, 8, "570.26"),
+    (12, 9, "575.51.03"),
+    (13, 0, "580.65.06"),
+];
+
+/// The lowest driver that supports `cuda`: the entry for the first release at or above it.
+pub fn min_driver_for_cuda(cuda: CudaVersion) -> Option<&'static str> {
+    CUDA_MIN_DRIVER
+        .iter()
+        .find(|(major, minor, _)| (*major, *minor) >= (cuda.major, cuda.minor))
+        .map(|(_, _, driver)| *driver)
+}
+
+/// Compares dot-separated version numbers numerically (`550.54.15` > `535.104.05`); missing
+/// parts count as 0. `None` when either is not numeric.
+pub fn compare_versions(a: &str, b: &str) -> Option<Ordering> {
+    let parse = |s: &str| -> Option<Vec<u64>> {
+        s.trim().split('.').map(|p| p.parse::<u64>().ok()).collect()
+    };
+    let (mut a, mut b) = (parse(a)?, parse(b)?);
+    let len = a.len().max(b.len());
+    a.resize(len, 0);
+    b.resize(len, 0);
+    Some(a.cmp(&b))
+}
+
+/// Persistence mode as observed. The backend trait has no query for it yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Persistence {
+    /// The backend cannot tell.
+    Unsupported,
+    /// GPUs with persistence mode off.
+    Off(Vec<u32>),
+    /// On everywhere.
+    On,
+}
+
+/// Everything the checks look at.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observations {
+    /// NVML's driver info, or why NVML failed.
+    pub nvml: Result<DriverInfo, String>,
+    /// First line of `/proc/driver/nvidia/version`, when it exists.
+    pub kernel_module: Option<String>,
+    /// Device nodes that should exist under the driver root but do not.
+    pub missing_device_nodes: Vec<String>,
+    /// Health counters per GPU index (or why they could not be read).
+    pub health: BTreeMap<u32, Result<HealthSnapshot, String>>,
+    /// Fatal Xids seen since the agent started, per GPU: (GPU, Xid).
+    pub fatal_xids: Vec<(u32, u64)>,
+    /// Persistence mode.
+    pub persistence: Persistence,
+}
+
+fn check(name: &str, passed: bool, message: impl Into<String>) -> CheckResult {
+    CheckResult {
+        name: name.to_owned(),
+        passed,
+        message: message.into(),
+    }
+}
+
+/// Judges the observations against the policy. `DriverVersion` and `CUDAVersion` are added
+/// when the policy sets `minVersion` / `cudaVersion`; the rest as `checks` lists them.
+pub fn run_checks(policy: &DriverPolicy, obs: &Observations) -> Vec<CheckResult> {
+    let mut out = Vec::new();
+    let mut wanted = policy.checks.clone();
+    wanted.sort();
+    wanted.dedup();
+    if wanted.contains(&DriverCheck::NvmlInit)
+        || policy.min_version.is_some()
+        || policy.cuda_version.is_some()
+    {
+        out.push(match &obs.nvml {
+            Ok(d) => check(
+                "NVMLInit",
+                true,
+                format!("NVML initialised: driver {}, CUDA {}", d.driver_version, d.cuda_version),
+            ),
+            Err(e) => check(
+                "NVMLInit",
+                false,
+                format!("NVML did not initialise: {e}; check that the NVIDIA driver is installed and loaded"),
+            ),
+        });
+    }
+    if let Some(min) = &policy.min_version {
+        out.push(match &obs.nvml {
+            Err(_) => check(
+                "DriverVersion",
+                false,
+                format!("driver version unknown (NVML failed); pool requires ≥ {min}"),
+            ),
+            Ok(d) => match compare_versions(&d.driver_version, min) {
+                Some(Ordering::Less) => check(
+                    "DriverVersion",
+                    false,
+                    format!(
+                        "driver {} is older than the pool's minimum {min}: upgrade the driver",
+                        d.driver_version
+                    ),
+                ),
+                Some(_) => check(
+                    "DriverVersion",
+                    true,
+                    format!("driver {} ≥ {min}", d.driver_version),
+                ),
+                None => check(
+                    "DriverVersion",
+                    false,
+                    format!(
+                        "cannot compare driver version {:?} with {min:?}",
+                        d.driver_version
+                    ),
+                ),
+            },
+        });
+    }
+    if let Some(wanted_cuda) = &policy.cuda_version {
+        out.push(match (&obs.nvml, wanted_cuda.parse::<CudaVersion>()) {
+            (_, Err(e)) => check(
+                "CUDAVersion",
+                false,
+                format!("pool's cudaVersion is not valid: {e}"),
+            ),
+            (Err(_), Ok(w)) => check(
+                "CUDAVersion",
+                false,
+                format!("CUDA version unknown (NVML failed); pool requires {w}"),
+            ),
+            (Ok(d), Ok(w)) if d.cuda_version >= w => check(
+                "CUDAVersion",
+                true,
+                format!(
+                    "driver {} supports CUDA {}; pool requires {w}",
+                    d.driver_version, d.cuda_version
+                ),
+            ),
+            (Ok(d), Ok(w)) => {
+                let advice = match min_driver_for_cuda(w) {
+                    Some(min) => format!("upgrade the driver to ≥ {min}"),
+                    None => "upgrade the driver to one that supports it".to_owned(),
+                };
+                check(
+                    "CUDAVersion",
+                    false,
+                    format!(
+                        "driver {} supports CUDA {}; pool requires {w}: {advice}",
+                        d.driver_version, d.cuda_version
+                    ),
+                )
+            }
+        });
+    }
+    for c in wanted {
+        match c {
+            DriverCheck::NvmlInit => {}
+            DriverCheck::KernelModule => out.push(match &obs.kernel_module {
+                Some(line) => check(
+                    "KernelModule",
+                    true,
+                    format!("nvidia kernel module loaded: {line}"),
+                ),
+                None => check(
+                    "KernelModule",
+                    false,
+                    "/proc/driver/nvidia/version not found: the nvidia kernel module is not loaded",
+                ),
+            }),
+            DriverCheck::DeviceNodes => out.push(if obs.missing_device_nodes.is_empty() {
+                check("DeviceNodes", true, "all device nodes present")
+            } else {
+                check(
+                    "DeviceNodes",
+                    false,
+                    format!(
+                        "missing under the driver root: {}",
+                        obs.missing_device_nodes.join(", ")
+                    ),
+                )
+            }),
+            DriverCheck::EccErrors => {
+                let bad: Vec<String> = obs
+                    .health
+                    .iter()
+                    .filter_map(|(gpu, h)| match h {
+                        Ok(h) => h
+                            .ecc_uncorrected
+                            .filter(|n| *n > 0)
+                            .map(|n| format!("GPU {gpu}: {n}")),
+                        Err(e) => Some(format!("GPU {gpu}: unreadable ({e})")),
+                    })
+                    .collect();
+                out.push(if bad.is_empty() {
+                    check("ECCErrors", true, "no uncorrected ECC errors")
+                } else {
+                    check(
+                        "ECCErrors",
+                        false,
+                        format!("uncorrected ECC errors: {}", bad.join("; ")),
+                    )
+                });
+            }
+            DriverCheck::PcieReplay => {
+                let threshold = u64::from(policy.pcie_replay_threshold);
+                let bad: Vec<String> = obs
+                    .health
+                    .iter()
+                    .filter_map(|(gpu, h)| match h {
+                        Ok(h) => h
+                            .pcie_replay
+                            .filter(|n| *n >= threshold)
+                            .map(|n| format!("GPU {gpu}: {n}")),
+                        Err(_) => None,
+                    })
+                    .collect();
+                out.push(if bad.is_empty() {
+                    check(
+                        "PCIeReplay",
+                        true,
+                        format!("PCIe replay counters below {threshold}"),
+                    )
+                } else {
+                    check(
+                        "PCIeReplay",
+                        false,
+                        format!(
+                            "PCIe replay counter at or above {threshold}: {}",
+                            bad.join("; ")
+                        ),
+                    )
+                });
+            }
+            DriverCheck::XidErrors => out.push(if obs.fatal_xids.is_empty() {
+                check("XidErrors", true, "no fatal Xid errors seen")
+            } else {
+                let list: Vec<String> = obs
+                    .fatal_xids
+                    .iter()
+                    .map(|(g, x)| format!("GPU {g}: Xid {x}"))
+                    .collect();
+                check(
+                    "XidErrors",
+                    false,
+                    format!("fatal Xid errors: {}", list.join("; ")),
+                )
+            }),
+            DriverCheck::PersistenceMode => out.push(match &obs.persistence {
+                Persistence::On => check("PersistenceMode", true, "persistence mode on"),
+                Persistence::Unsupported => check(
+                    "PersistenceMode",
+                    true,
+                    "persistence mode cannot be read through this backend; not checked",
+                ),
+                Persistence::Off(gpus) => {
+                    let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
+                    check(
+                        "PersistenceMode",
+                        false,
+                        format!(
+                            "persistence mode off on GPU {}: enable nvidia-persistenced",
+                            list.join(", ")
+                        ),
+                    )
+                }
+            }),
+        }
+    }
+    out
+}
+
+/// Gathers the facts: NVML through `backend` (`None` when it failed to load, with the error),
+/// the kernel module under `proc_root`, device nodes under `driver_root`.
+pub fn observe(
+    backend: Result<&dyn GpuBackend, String>,
+    driver_root: &Path,
+    proc_root: &Path,
+    fatal_xids: Vec<(u32, u64)>,
+) -> Observations {
+    let kernel_module = std::fs::read_to_string(proc_root.join("driver/nvidia/version"))
+        .ok()
+        .map(|t| t.lines().next().unwrap_or_default().trim().to_owned());
+    let mut missing = Vec::new();
+    let mut health = BTreeMap::new();
+    let nvml = match backend {
+        Err(e) => Err(e),
+        Ok(b) => {
+            let driver = b.driver().map_err(|e| e.to_string());
+            let mut nodes = vec!["dev/nvidiactl".to_owned(), "dev/nvidia-uvm".to_owned()];
+            if let Ok(devices) = b.devices() {
+                for d in devices {
+                    nodes.push(format!("dev/nvidia{}", d.minor_number));
+                    health.insert(d.index, b.health(d.index).map_err(|e| e.to_string()));
+                }
+            }
+            for n in nodes {
+                if std::fs::symlink_metadata(driver_root.join(&n)).is_err() {
+                    missing.push(format!("/{n}"));
+                }
+            }
+            driver
+        }
+    };
+    Observations {
+        nvml,
+        kernel_module,
+        missing_device_nodes: missing,
+        health,
+        fatal_xids,
+        persistence: Persistence::Unsupported,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn driver(version: &str, cuda: &str) -> DriverInfo {
+        DriverInfo {
+            driver_version: version.to_owned(),
+            cuda_version: cuda.parse().unwrap(),
+        }
+    }
+
+    fn good() -> Observations {
+        Observations {
+            nvml: Ok(driver("550.54.15", "12.4")),
+            kernel_module: Some("NVRM version: 550.54.15".to_owned()),
+            missing_device_nodes: vec![],
+            health: [(
+                0,
+                Ok(HealthSnapshot {
+                    ecc_uncorrected: Some(0),
+                    pcie_replay: Some(3),
+                    ..Default::default()
+                }),
+            )]
+            .into_iter()
+            .collect(),
+            fatal_xids: vec![],
+            persistence: Persistence::Unsupported,
+        }
+    }
+
+    fn policy(min: Option<&str>, cuda: Option<&str>) -> DriverPolicy {
+        DriverPolicy {
+            min_version: min.map(str::to_owned),
+            cuda_version: cuda.map(str::to_owned),
+            ..DriverPolicy::default()
+        }
+    }
+
+    fn find<'a>(checks: &'a [CheckResult], name: &str) -> &'a CheckResult {
+        checks
+            .iter()
+            .find(|c| c.name == name)
+            .unwrap_or_else(|| panic!("no {name} in {checks:?}"))
+    }
+
+    #[test]
+    fn all_pass_on_a_good_node() {
+        let checks = run_checks(&policy(Some("550"), Some("12.4")), &good());
+        assert!(checks.iter().all(|c| c.passed), "{checks:?}");
+        let names: Vec<&str> = checks.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "NVMLInit",
+                "DriverVersion",
+                "CUDAVersion",
+                "KernelModule",
+                "DeviceNodes",
+                "ECCErrors",
+                "PCIeReplay",
+                "XidErrors",
+                "PersistenceMode"
+            ]
+        );
+        assert!(
+            find(&checks, "PersistenceMode")
+                .message
+                .contains("cannot be read")
+        );
+    }
+
+    #[test]
+    fn old_driver_fails_cuda_with_both_numbers_and_the_driver_to_install() {
+        let obs = Observations {
+            nvml: Ok(driver("535.104.05", "12.2")),
+            ..good()
+        };
+        let checks = run_checks(&policy(Some("550.54.15"), Some("12.4")), &obs);
+        let cuda = find(&checks, "CUDAVersion");
+        assert!(!cuda.passed);
+        assert_eq!(
+            cuda.message,
+            "driver 535.104.05 supports CUDA 12.2; pool requires 12.4: upgrade the driver to ≥ 550.54.14"
+        );
+        let version = find(&checks, "DriverVersion");
+        assert!(
+            !version.passed
+                && version.message.contains("535.104.05")
+                && version.message.contains("550.54.15")
+        );
+    }
+
+    #[test]
+    fn table_of_failures() {
+        type Mutate = fn(&mut Observations);
+        let cases: Vec<(&str, Mutate, &str)> = vec![
+            (
+                "NVMLInit",
+                |o| o.nvml = Err("driver not loaded".into()),
+                "driver not loaded",
+            ),
+            ("KernelModule", |o| o.kernel_module = None, "not loaded"),
+            (
+                "DeviceNodes",
+                |o| o.missing_device_nodes = vec!["/dev/nvidia0".into()],
+                "/dev/nvidia0",
+            ),
+            (
+                "ECCErrors",
+                |o| {
+                    o.health.insert(
+                        1,
+                        Ok(HealthSnapshot {
+                            ecc_uncorrected: Some(2),
+                            ..Default::default()
+                        }),
+                    );
+                },
+                "GPU 1: 2",
+            ),
+            (
+                "PCIeReplay",
+                |o| {
+                    o.health.insert(
+                        2,
+                        Ok(HealthSnapshot {
+                            pcie_replay: Some(100),
+                            ..Default::default()
+                        }),
+                    );
+                },
+                "GPU 2: 100",
+            ),
+            ("XidErrors", |o| o.fatal_xids = vec![(0, 79)], "Xid 79"),
+            (
+                "PersistenceMode",
+                |o| o.persistence = Persistence::Off(vec![3]),
+                "GPU 3",
+            ),
+        ];
+        for (name, mutate, needle) in cases {
+            let mut obs = good();
+            mutate(&mut obs);
+            let checks = run_checks(&DriverPolicy::default(), &obs);
+            let c = find(&checks, name);
+            assert!(!c.passed, "{name} should fail: {c:?}");
+            assert!(
+                c.message.contains(needle),
+                "{name}: {:?} lacks {needle:?}",
+                c.message
+            );
+            let others_fail: Vec<_> = checks
+                .iter()
+                .filter(|c| !c.passed && c.name != name)
+                .collect();
+            assert!(others_fail.is_empty(), "{name}: {others_fail:?}");
+        }
+    }
+
+    #[test]
+    fn only_listed_checks_run() {
+        let p = DriverPolicy {
+            checks: vec![DriverCheck::EccErrors],
+            ..DriverPolicy::default()
+        };
+        let names: Vec<String> = run_checks(&p, &good())
+            .into_iter()
+            .map(|c| c.name)
+            .collect();
+        assert_eq!(names, ["ECCErrors"]);
+    }
+
+    #[test]
+    fn versions_and_cuda_table() {
+        assert_eq!(
+            compare_versions("550.54.15", "535.104.05"),
+            Some(Ordering::Greater)
+        );
+        assert_eq!(compare_versions("550", "550.0.0"), Some(Ordering::Equal));
+        assert_eq!(
+            compare_versions("550.54.14", "550.54.15"),
+            Some(Ordering::Less)
+        );
+        assert_eq!(compare_versions("x", "1"), None);
+        let v = |s: &str| s.parse::<CudaVersion>().unwrap();
+        assert_eq!(min_driver_for_cuda(v("12.4")), Some("550.54.14"));
+        assert_eq!(min_driver_for_cuda(v("12.7")), Some("570.26"));
+        assert_eq!(min_driver_for_cuda(v("11.0")), Some("450.36.06"));
+        assert_eq!(min_driver_for_cuda(v("99.0")), None);
+        // The table is sorted, so the lookup's first match is the right one.
+        assert!(
+            CUDA_MIN_DRIVER
+                .windows(2)
+                .all(|w| (w[0].0, w[0].1) < (w[1].0, w[1].1)
+                    && compare_versions(w[0].2, w[1].2) == Some(Ordering::Less))
+        );
+    }
+}
