@@ -199,8 +199,7 @@ fn start_teardown_watchdog(state_dir: &Path) -> Result<()> {
         .try_clone()
         .with_context(|| format!("duplicating {}", log_path.display()))?;
     // `tail --pid` returns once the test process is gone.
-    let watchdog =
-        r#"tail --pid="$1" -f /dev/null; "$2" down && rm -f "$3.teardown.log""#;
+    let watchdog = r#"tail --pid="$1" -f /dev/null; "$2" down && rm -f "$3.teardown.log""#;
     Command::new("sh")
         .arg("-c")
         .arg(watchdog)
