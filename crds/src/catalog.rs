@@ -928,7 +928,8 @@ mod tests {
 
     #[test]
     fn plans_fitting_layouts() {
-        let cases: &[(&[&str], &[(&str, u32)])] = &[
+        type Case<'a> = (&'a [&'a str], &'a [(&'a str, u32)]);
+        let cases: &[Case] = &[
             (&["7g.80gb"], &[("7g.80gb", 0)]),
             (&["3g.40gb", "4g.40gb"], &[("4g.40gb", 0), ("3g.40gb", 4)]),
             // 3g.40gb at 0 leaves no start for the second 1g.10gb (they stop at 6): the

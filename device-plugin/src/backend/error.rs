@@ -146,7 +146,12 @@ impl Error {
     }
 
     /// Builds an error of `kind` with context.
-    pub fn new(kind: ErrorKind, op: &'static str, target: impl Into<String>, detail: String) -> Error {
+    pub fn new(
+        kind: ErrorKind,
+        op: &'static str,
+        target: impl Into<String>,
+        detail: String,
+    ) -> Error {
         let target = target.into();
         match kind {
             ErrorKind::DriverNotLoaded => Error::DriverNotLoaded { detail },

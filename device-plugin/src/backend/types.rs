@@ -105,15 +105,24 @@ impl FromStr for MigProfile {
         let mut parts: Vec<&str> = base.split('.').collect();
         if parts.len() == 3 {
             let c = parts.remove(0);
-            let n = c.strip_suffix('c').ok_or_else(|| bad("expected <n>c.<n>g.<n>gb"))?;
-            n.parse::<u32>().map_err(|_| bad("compute slices are not a number"))?;
+            let n = c
+                .strip_suffix('c')
+                .ok_or_else(|| bad("expected <n>c.<n>g.<n>gb"))?;
+            n.parse::<u32>()
+                .map_err(|_| bad("compute slices are not a number"))?;
         }
         match parts.as_slice() {
             [g, mem] => {
-                let g = g.strip_suffix('g').ok_or_else(|| bad("expected <n>g.<n>gb"))?;
-                g.parse::<u32>().map_err(|_| bad("slices are not a number"))?;
-                let gb = mem.strip_suffix("gb").ok_or_else(|| bad("expected <n>g.<n>gb"))?;
-                gb.parse::<u32>().map_err(|_| bad("memory is not a number"))?;
+                let g = g
+                    .strip_suffix('g')
+                    .ok_or_else(|| bad("expected <n>g.<n>gb"))?;
+                g.parse::<u32>()
+                    .map_err(|_| bad("slices are not a number"))?;
+                let gb = mem
+                    .strip_suffix("gb")
+                    .ok_or_else(|| bad("expected <n>g.<n>gb"))?;
+                gb.parse::<u32>()
+                    .map_err(|_| bad("memory is not a number"))?;
                 Ok(MigProfile(s.to_owned()))
             }
             _ => Err(bad("expected <n>g.<n>gb")),
@@ -491,9 +500,17 @@ mod tests {
     fn parses_uuids_and_profiles() {
         let uuid: GpuUuid = "GPU-2fa5cf01-9520-1bc1-995b-cc0c6d9bca7c".parse().unwrap();
         assert_eq!(uuid.as_str(), "GPU-2fa5cf01-9520-1bc1-995b-cc0c6d9bca7c");
-        assert!("MIG-2fa5cf01-9520-1bc1-995b-cc0c6d9bca7c".parse::<GpuUuid>().is_err());
+        assert!(
+            "MIG-2fa5cf01-9520-1bc1-995b-cc0c6d9bca7c"
+                .parse::<GpuUuid>()
+                .is_err()
+        );
         assert!("GPU-2fa5cf01".parse::<GpuUuid>().is_err());
-        assert!("MIG-2fa5cf01-9520-1bc1-995b-cc0c6d9bca7c".parse::<MigUuid>().is_ok());
+        assert!(
+            "MIG-2fa5cf01-9520-1bc1-995b-cc0c6d9bca7c"
+                .parse::<MigUuid>()
+                .is_ok()
+        );
         for ok in ["1g.10gb", "1g.10gb+me", "7g.141gb", "1c.3g.40gb"] {
             assert_eq!(ok.parse::<MigProfile>().unwrap().as_str(), ok);
         }
@@ -508,7 +525,10 @@ mod tests {
     fn cuda_versions() {
         assert_eq!(
             CudaVersion::from_nvml(12040),
-            CudaVersion { major: 12, minor: 4 }
+            CudaVersion {
+                major: 12,
+                minor: 4
+            }
         );
         assert_eq!("12.2".parse::<CudaVersion>().unwrap().to_nvml(), 12020);
         assert!("12".parse::<CudaVersion>().is_err());

@@ -9,7 +9,9 @@ use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor, TopologyLevel};
+use nvml_wrapper::enum_wrappers::device::{
+    EccCounter, MemoryError, TemperatureSensor, TopologyLevel,
+};
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
@@ -64,12 +66,12 @@ fn gpu_target(gpu: u32) -> String {
 fn wrapper_error(op: &'static str, target: impl Into<String>, e: NvmlError) -> Error {
     let detail = e.to_string();
     let kind = match e {
-        NvmlError::DriverNotLoaded | NvmlError::LibloadingError(_) | NvmlError::LibRmVersionMismatch => {
-            ErrorKind::DriverNotLoaded
-        }
-        NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_) | NvmlError::FunctionNotFound => {
-            ErrorKind::NotSupported
-        }
+        NvmlError::DriverNotLoaded
+        | NvmlError::LibloadingError(_)
+        | NvmlError::LibRmVersionMismatch => ErrorKind::DriverNotLoaded,
+        NvmlError::NotSupported
+        | NvmlError::FailedToLoadSymbol(_)
+        | NvmlError::FunctionNotFound => ErrorKind::NotSupported,
         NvmlError::NoPermission => ErrorKind::NoPermission,
         NvmlError::NotFound => ErrorKind::NotFound,
         NvmlError::GpuLost => ErrorKind::GpuLost,
@@ -132,7 +134,9 @@ impl NvmlBackend {
                     sys::nvmlReturn_enum_NVML_ERROR_NO_PERMISSION => ErrorKind::NoPermission,
                     sys::nvmlReturn_enum_NVML_ERROR_NOT_FOUND => ErrorKind::NotFound,
                     sys::nvmlReturn_enum_NVML_ERROR_DRIVER_NOT_LOADED
-                    | sys::nvmlReturn_enum_NVML_ERROR_LIBRARY_NOT_FOUND => ErrorKind::DriverNotLoaded,
+                    | sys::nvmlReturn_enum_NVML_ERROR_LIBRARY_NOT_FOUND => {
+                        ErrorKind::DriverNotLoaded
+                    }
                     sys::nvmlReturn_enum_NVML_ERROR_GPU_IS_LOST => ErrorKind::GpuLost,
                     sys::nvmlReturn_enum_NVML_ERROR_IN_USE => ErrorKind::InUse,
                     sys::nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES => {
@@ -285,7 +289,9 @@ unsafe impl Send for NvmlEvents<'_> {}
 impl NvmlEvents<'_> {
     fn convert(&self, e: raw::RawEvent) -> Result<Option<HealthEvent>> {
         let kind = match e.event_type {
-            t if t & u64::from(sys::nvmlEventTypeXidCriticalError) != 0 => HealthEventKind::Xid(e.data),
+            t if t & u64::from(sys::nvmlEventTypeXidCriticalError) != 0 => {
+                HealthEventKind::Xid(e.data)
+            }
             t if t & u64::from(sys::nvmlEventTypeDoubleBitEccError) != 0 => {
                 HealthEventKind::DoubleBitEcc
             }
@@ -382,15 +388,20 @@ impl GpuBackend for NvmlBackend {
             .raw()
             .architecture(h)
             .map_err(|e| self.raw_error(op, t(), e))?;
+        let name = d.name().map_err(w)?;
         let mig_capable = match self.raw().mig_mode(h) {
             Ok(_) => true,
             Err(e) if e.is_not_supported() => false,
+            // A lost GPU still has an identity; judge MIG support by its model.
+            Err(e) if e.code() == sys::nvmlReturn_enum_NVML_ERROR_GPU_IS_LOST => {
+                catalog::model_by_product_name(&name).is_some()
+            }
             Err(e) => return Err(self.raw_error(op, t(), e)),
         };
         Ok(GpuDevice {
             index: d.index().map_err(w)?,
             uuid: d.uuid().map_err(w)?.parse()?,
-            name: d.name().map_err(w)?,
+            name,
             minor_number: d.minor_number().map_err(w)?,
             pci_bus_id: d.pci_info().map_err(w)?.bus_id,
             memory_mib: d.memory_info().map_err(w)?.total / (1024 * 1024),
@@ -451,9 +462,11 @@ impl GpuBackend for NvmlBackend {
         // Ampere and newer remap rows; older GPUs retire pages.
         let retired_pages = match self.raw().remapped_rows_uncorrectable(h) {
             Ok(n) => Some(n),
-            Err(e) if e.is_not_supported() => {
-                optional(self.raw().retired_pages_dbe(h).map_err(|e| self.raw_error(op, t(), e)))?
-            }
+            Err(e) if e.is_not_supported() => optional(
+                self.raw()
+                    .retired_pages_dbe(h)
+                    .map_err(|e| self.raw_error(op, t(), e)),
+            )?,
             Err(e) => return Err(self.raw_error(op, t(), e)),
         };
         let temperature_c = optional(d.temperature(TemperatureSensor::Gpu).map_err(w))?;
@@ -745,7 +758,10 @@ impl GpuBackend for NvmlBackend {
         let model = self.catalog_model(&d);
         // SAFETY: see `handle`.
         let h = unsafe { d.handle() };
-        let (current, _) = self.raw().mig_mode(h).map_err(|e| self.raw_error(op, t(), e))?;
+        let (current, _) = self
+            .raw()
+            .mig_mode(h)
+            .map_err(|e| self.raw_error(op, t(), e))?;
         if !current {
             return Err(Error::new(
                 ErrorKind::NotSupported,
@@ -802,7 +818,10 @@ impl GpuBackend for NvmlBackend {
                         ErrorKind::Driver,
                         op,
                         t(),
-                        format!("GPU instance {gi} has unknown profile ID {}", gi_info.profile_id),
+                        format!(
+                            "GPU instance {gi} has unknown profile ID {}",
+                            gi_info.profile_id
+                        ),
                     )
                 })?;
             let gi_name = self.profile_name(model, *nvml_profile, info)?;

@@ -192,7 +192,8 @@ impl<'a> Raw<'a> {
     /// `nvmlDeviceGetP2PStatus` for the NVLink capability: whether NVLink P2P works.
     pub fn nvlink_p2p(&self, a: nvmlDevice_t, b: nvmlDevice_t) -> RawResult<bool> {
         let f = sym!(self.lib, nvmlDeviceGetP2PStatus);
-        let mut status: sys::nvmlGpuP2PStatus_t = sys::nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_UNKNOWN;
+        let mut status: sys::nvmlGpuP2PStatus_t =
+            sys::nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_UNKNOWN;
         // SAFETY: valid out-pointer.
         check("nvmlDeviceGetP2PStatus", unsafe {
             f(
@@ -267,7 +268,11 @@ impl<'a> Raw<'a> {
     }
 
     /// `nvmlDeviceGetGpuInstanceProfileInfo` for an NVML profile enum value.
-    pub fn gi_profile_info(&self, dev: nvmlDevice_t, nvml_profile: u32) -> RawResult<GiProfileInfo> {
+    pub fn gi_profile_info(
+        &self,
+        dev: nvmlDevice_t,
+        nvml_profile: u32,
+    ) -> RawResult<GiProfileInfo> {
         let f = sym!(self.lib, nvmlDeviceGetGpuInstanceProfileInfo);
         // SAFETY: plain-data struct; all-zero is a valid value.
         let mut info: sys::nvmlGpuInstanceProfileInfo_t = unsafe { std::mem::zeroed() };
@@ -296,7 +301,8 @@ impl<'a> Raw<'a> {
         check("nvmlDeviceGetGpuInstancePossiblePlacements_v2", unsafe {
             f(dev, profile_id, ptr::null_mut(), &mut count)
         })?;
-        let mut placements = vec![sys::nvmlGpuInstancePlacement_t { start: 0, size: 0 }; count as usize];
+        let mut placements =
+            vec![sys::nvmlGpuInstancePlacement_t { start: 0, size: 0 }; count as usize];
         // SAFETY: the array holds `count` elements.
         check("nvmlDeviceGetGpuInstancePossiblePlacements_v2", unsafe {
             f(dev, profile_id, placements.as_mut_ptr(), &mut count)
@@ -329,7 +335,9 @@ impl<'a> Raw<'a> {
         let f = sym!(self.lib, nvmlDeviceGetGpuInstanceById);
         let mut gi: nvmlGpuInstance_t = ptr::null_mut();
         // SAFETY: valid out-pointer.
-        check("nvmlDeviceGetGpuInstanceById", unsafe { f(dev, id, &mut gi) })?;
+        check("nvmlDeviceGetGpuInstanceById", unsafe {
+            f(dev, id, &mut gi)
+        })?;
         Ok(gi)
     }
 
@@ -479,7 +487,9 @@ impl<'a> Raw<'a> {
         let f = sym!(self.lib, nvmlDeviceGetMaxMigDeviceCount);
         let mut count: c_uint = 0;
         // SAFETY: valid out-pointer.
-        check("nvmlDeviceGetMaxMigDeviceCount", unsafe { f(dev, &mut count) })?;
+        check("nvmlDeviceGetMaxMigDeviceCount", unsafe {
+            f(dev, &mut count)
+        })?;
         Ok(count)
     }
 
@@ -502,7 +512,9 @@ impl<'a> Raw<'a> {
         // SAFETY: valid out-pointers.
         check("nvmlDeviceGetGpuInstanceId", unsafe { fg(mig, &mut gi) })?;
         // SAFETY: valid out-pointer.
-        check("nvmlDeviceGetComputeInstanceId", unsafe { fc(mig, &mut ci) })?;
+        check("nvmlDeviceGetComputeInstanceId", unsafe {
+            fc(mig, &mut ci)
+        })?;
         Ok((gi, ci))
     }
 

@@ -205,10 +205,7 @@ impl SimBackend {
 
     fn state(&self) -> MutexGuard<'_, SimState> {
         // Every mutation below completes before it could panic, so a poisoned state is whole.
-        self.shared
-            .state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        self.shared.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn read<T>(
@@ -228,7 +225,8 @@ impl SimBackend {
         f: impl FnOnce(&mut SimState, &Node, f64) -> Result<T, SimError>,
     ) -> Result<T> {
         let mut state = self.state();
-        let out = f(&mut state, &self.shared.node, self.now()).map_err(|e| sim_error(op, target, e));
+        let out =
+            f(&mut state, &self.shared.node, self.now()).map_err(|e| sim_error(op, target, e));
         self.shared.changed.notify_all();
         out
     }
@@ -403,34 +401,41 @@ impl GpuBackend for SimBackend {
     }
 
     fn gpu_instance_profiles(&self, gpu: u32) -> Result<Vec<GpuInstanceProfile>> {
-        self.read("listing GPU instance profiles", gpu_target(gpu), |s, n, now| {
-            let mut out = Vec::new();
-            for nvml_profile in 0..catalog::nvml_gi_profile::COUNT {
-                let p = match s.gi_profile_by_enum(n, gpu, nvml_profile, now) {
-                    Ok(p) => p,
-                    Err(SimError::NotSupported(_)) if n.gpu(gpu)?.model.mig().is_some() => {
-                        continue;
-                    }
-                    Err(e) => return Err(e),
-                };
-                let placements = s
-                    .gi_possible_placements(n, gpu, p.profile_id, now)?
-                    .into_iter()
-                    .map(|(start, size)| Placement { start, size })
-                    .collect();
-                out.push(GpuInstanceProfile {
-                    name: p.name.parse().map_err(|e: Error| SimError::Fixture(e.to_string()))?,
-                    nvml_profile,
-                    id: GiProfileId(p.profile_id),
-                    slice_count: p.compute_slices,
-                    instance_count: p.max_instances,
-                    multiprocessors: p.multiprocessors,
-                    memory_mib: p.memory_mib,
-                    placements,
-                });
-            }
-            Ok(out)
-        })
+        self.read(
+            "listing GPU instance profiles",
+            gpu_target(gpu),
+            |s, n, now| {
+                let mut out = Vec::new();
+                for nvml_profile in 0..catalog::nvml_gi_profile::COUNT {
+                    let p = match s.gi_profile_by_enum(n, gpu, nvml_profile, now) {
+                        Ok(p) => p,
+                        Err(SimError::NotSupported(_)) if n.gpu(gpu)?.model.mig().is_some() => {
+                            continue;
+                        }
+                        Err(e) => return Err(e),
+                    };
+                    let placements = s
+                        .gi_possible_placements(n, gpu, p.profile_id, now)?
+                        .into_iter()
+                        .map(|(start, size)| Placement { start, size })
+                        .collect();
+                    out.push(GpuInstanceProfile {
+                        name: p
+                            .name
+                            .parse()
+                            .map_err(|e: Error| SimError::Fixture(e.to_string()))?,
+                        nvml_profile,
+                        id: GiProfileId(p.profile_id),
+                        slice_count: p.compute_slices,
+                        instance_count: p.max_instances,
+                        multiprocessors: p.multiprocessors,
+                        memory_mib: p.memory_mib,
+                        placements,
+                    });
+                }
+                Ok(out)
+            },
+        )
     }
 
     fn compute_instance_profiles(

@@ -486,7 +486,11 @@ impl Node {
                 bad(format!(
                     "unknown GPU model {:?}; known: {}",
                     group.model,
-                    MODEL_INFOS.iter().map(|m| m.key).collect::<Vec<_>>().join(", ")
+                    MODEL_INFOS
+                        .iter()
+                        .map(|m| m.key)
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ))
             })?;
             for n in 0..group.count {
@@ -531,7 +535,9 @@ impl Node {
             if i < count {
                 Ok(())
             } else {
-                Err(bad(format!("{what} names GPU {i}; the fixture has {count}")))
+                Err(bad(format!(
+                    "{what} names GPU {i}; the fixture has {count}"
+                )))
             }
         };
         for f in &fixture.faults {
@@ -844,9 +850,7 @@ impl SimState {
             .faults
             .iter()
             .enumerate()
-            .filter(move |(_, f)| {
-                f.gpu == gpu && f.at <= now && clear.is_none_or(|c| f.at > c.at)
-            })
+            .filter(move |(_, f)| f.gpu == gpu && f.at <= now && clear.is_none_or(|c| f.at > c.at))
             .map(|(i, f)| (EventKey::Scripted(i), f));
         let injected = self
             .injected
@@ -987,7 +991,10 @@ impl SimState {
             .filter(|p| match (p.gpu_instance, p.compute_instance) {
                 (None, _) => !state.mig_current,
                 (Some(gi), ci) => state.gpu_instances.iter().any(|g| {
-                    g.id == gi && g.compute_instances.iter().any(|c| ci.is_none_or(|ci| c.id == ci))
+                    g.id == gi
+                        && g.compute_instances
+                            .iter()
+                            .any(|c| ci.is_none_or(|ci| c.id == ci))
                 }),
             })
             .map(|p| SimProcess {
@@ -1003,7 +1010,9 @@ impl SimState {
     pub fn mig_mode(&self, node: &Node, gpu: u32, now: f64) -> SimResult<(bool, bool)> {
         self.check_alive(node, gpu, now)?;
         if node.gpu(gpu)?.model.mig_catalog.is_none() {
-            return Err(SimError::NotSupported(format!("GPU {gpu} is not MIG-capable")));
+            return Err(SimError::NotSupported(format!(
+                "GPU {gpu} is not MIG-capable"
+            )));
         }
         let s = self.gpu_ref(gpu)?;
         Ok((s.mig_current, s.mig_pending))
@@ -1201,7 +1210,10 @@ impl SimState {
                     && placed.iter().map(|p| p.profile.compute_slices).sum::<u32>()
                         + profile.compute_slices
                         <= model.compute_slices
-                    && (placed.iter().filter(|p| p.profile.name == profile.name).count() as u32)
+                    && (placed
+                        .iter()
+                        .filter(|p| p.profile.name == profile.name)
+                        .count() as u32)
                         < profile.max_instances;
                 if !ok {
                     return Err(SimError::InsufficientResources(format!(
@@ -1446,9 +1458,8 @@ impl StateFile {
             .map_err(|e| {
                 SimError::Fixture(format!("opening lock {}: {e}", self.lock_path.display()))
             })?;
-        file.lock().map_err(|e| {
-            SimError::Fixture(format!("locking {}: {e}", self.lock_path.display()))
-        })?;
+        file.lock()
+            .map_err(|e| SimError::Fixture(format!("locking {}: {e}", self.lock_path.display())))?;
         Ok(file)
     }
 

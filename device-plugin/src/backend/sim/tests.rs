@@ -5,7 +5,9 @@ use crate::backend::{ErrorKind, GpuBackend, HealthEventKind, MigModeChange};
 use std::path::PathBuf;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name)
 }
 
 fn sim(name: &str) -> (SimBackend, ManualClock) {
@@ -43,12 +45,18 @@ fn fixture_errors_are_clear() {
             .to_string()
     };
     let base = "driver: {version: '550.54.15', cuda: '12.4'}\n";
-    assert!(bad(&format!("{base}gpus: [{{model: B9000}}]")).contains("unknown GPU model \"B9000\""));
     assert!(
-        bad(&format!("{base}gpus: [{{model: L4}}]\nfaults: [{{at: 1, gpu: 3, fault: fallen_off_bus}}]"))
-            .contains("a fault names GPU 3; the fixture has 1")
+        bad(&format!("{base}gpus: [{{model: B9000}}]")).contains("unknown GPU model \"B9000\"")
     );
-    assert!(bad(&format!("{base}gpus: [{{model: L4, mig_enabled: true}}]")).contains("not MIG-capable"));
+    assert!(
+        bad(&format!(
+            "{base}gpus: [{{model: L4}}]\nfaults: [{{at: 1, gpu: 3, fault: fallen_off_bus}}]"
+        ))
+        .contains("a fault names GPU 3; the fixture has 1")
+    );
+    assert!(
+        bad(&format!("{base}gpus: [{{model: L4, mig_enabled: true}}]")).contains("not MIG-capable")
+    );
     let unknown_field = serde_yaml::from_str::<Fixture>(&format!("{base}gpus: []\nextra: 1"));
     assert!(unknown_field.is_err());
 }
@@ -75,7 +83,10 @@ fn scripted_faults_follow_the_clock_and_clear_on_reset() {
     clock.set(30.0);
     let got = events.wait(Duration::ZERO).unwrap();
     assert_eq!(got.len(), 1);
-    assert_eq!((got[0].gpu, got[0].kind), (1, HealthEventKind::DoubleBitEcc));
+    assert_eq!(
+        (got[0].gpu, got[0].kind),
+        (1, HealthEventKind::DoubleBitEcc)
+    );
     assert_eq!(sim.health(1).unwrap().ecc_uncorrected, Some(1));
     // Delivered once per subscription.
     assert!(events.wait(Duration::ZERO).unwrap().is_empty());
@@ -87,7 +98,10 @@ fn scripted_faults_follow_the_clock_and_clear_on_reset() {
         .into_iter()
         .map(|e| (e.gpu, e.kind))
         .collect();
-    assert_eq!(kinds, vec![(1, HealthEventKind::Xid(13)), (0, HealthEventKind::Xid(79))]);
+    assert_eq!(
+        kinds,
+        vec![(1, HealthEventKind::Xid(13)), (0, HealthEventKind::Xid(79))]
+    );
     assert_eq!(sim.health(0).unwrap_err().kind(), ErrorKind::GpuLost);
     assert_eq!(sim.health(2).unwrap().pcie_replay, Some(12));
     // Identity survives, as NVML keeps it for a lost GPU.
@@ -99,7 +113,12 @@ fn scripted_faults_follow_the_clock_and_clear_on_reset() {
     assert_eq!(sim.health(1).unwrap().ecc_uncorrected, Some(0));
     // A fresh subscription does not replay cleared faults.
     let mut fresh = sim.health_events().unwrap();
-    let replay: Vec<_> = fresh.wait(Duration::ZERO).unwrap().into_iter().map(|e| e.gpu).collect();
+    let replay: Vec<_> = fresh
+        .wait(Duration::ZERO)
+        .unwrap()
+        .into_iter()
+        .map(|e| e.gpu)
+        .collect();
     assert!(replay.is_empty(), "{replay:?}");
 }
 
@@ -123,7 +142,8 @@ fn injected_faults_reach_waiting_subscribers() {
     assert_eq!(event.gpu_instance, Some(GpuInstanceId(2)));
     assert_eq!(event.compute_instance, Some(ComputeInstanceId(0)));
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    sim.inject(Fault::gpu(3, FaultKind::Temperature(90))).unwrap();
+    sim.inject(Fault::gpu(3, FaultKind::Temperature(90)))
+        .unwrap();
     drop(rx);
     handle.join().unwrap();
 }
@@ -176,5 +196,8 @@ fn busy_gpu_keeps_mig_change_pending_and_utilization_follows_trace() {
     assert_eq!(sim.utilization(0).unwrap().gpu_percent, 0);
     assert!(sim.processes(0).unwrap().is_empty());
     assert_eq!(sim.set_mig_mode(0, true).unwrap(), MigModeChange::Applied);
-    assert_eq!(sim.utilization(0).unwrap_err().kind(), ErrorKind::NotSupported);
+    assert_eq!(
+        sim.utilization(0).unwrap_err().kind(),
+        ErrorKind::NotSupported
+    );
 }

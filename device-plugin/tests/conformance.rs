@@ -1,0 +1,726 @@
+//! Conformance suite: the same cases run on `SimBackend` and on `NvmlBackend` loaded with the
+//! fake `libnvidia-ml.so` (e2e/fake-nvml), over the same fixtures. Each case asserts the answers
+//! NVIDIA documents (UUIDs from the fixture, profile IDs and placements from the MIG tables) and
+//! returns a transcript of everything it saw; the two backends' transcripts must be equal.
+//!
+//! The fake library: `GPUPOOL_FAKE_NVML_LIB` if set; otherwise the suite runs
+//! `cargo build -p gpupool-fake-nvml` into `<target>/fake-nvml` (a separate target dir, so it
+//! never waits on the lock the running `cargo test` holds) and loads
+//! `<target>/fake-nvml/debug/libnvidia_ml.so` through a `libnvidia-ml.so.1` symlink.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use gpupool_crds::catalog;
+use gpupool_device_plugin::backend::sim::model::{Node, StateFile};
+use gpupool_device_plugin::backend::{
+    CiProfileId, ComputeInstanceId, ErrorKind, Fault, FaultKind, GiProfileId, GpuBackend,
+    GpuInstanceId, HealthEventKind, ManualClock, MigMode, MigModeChange, NvmlBackend, NvmlOptions,
+    PcieLink, Placement, SimBackend,
+};
+
+// ---------------------------------------------------------------------------------------------
+// Harnesses
+// ---------------------------------------------------------------------------------------------
+
+/// A backend plus the test controls a simulated node offers (time, faults, resets).
+trait Harness {
+    fn backend(&self) -> &dyn GpuBackend;
+    fn set_time(&self, seconds: f64);
+    fn inject(&self, fault: Fault);
+    fn reset(&self, gpu: u32);
+    fn name(&self) -> &'static str;
+}
+
+struct SimHarness {
+    sim: SimBackend,
+    clock: ManualClock,
+}
+
+impl Harness for SimHarness {
+    fn backend(&self) -> &dyn GpuBackend {
+        &self.sim
+    }
+    fn set_time(&self, seconds: f64) {
+        self.clock.set(seconds);
+    }
+    fn inject(&self, fault: Fault) {
+        self.sim.inject(fault).unwrap();
+    }
+    fn reset(&self, gpu: u32) {
+        self.sim.reset_gpu(gpu).unwrap();
+    }
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+}
+
+struct FakeHarness {
+    backend: NvmlBackend,
+    node: Node,
+    state: StateFile,
+    _dir: tempfile::TempDir,
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+impl Harness for FakeHarness {
+    fn backend(&self) -> &dyn GpuBackend {
+        &self.backend
+    }
+    fn set_time(&self, seconds: f64) {
+        self.state
+            .update(&self.node, |s| {
+                s.clock_s = Some(seconds);
+                Ok(())
+            })
+            .unwrap();
+    }
+    fn inject(&self, fault: Fault) {
+        self.state
+            .update(&self.node, |s| {
+                let now = s.clock_s.unwrap_or(0.0);
+                s.inject(&self.node, fault.to_fixture(), now)
+            })
+            .unwrap();
+    }
+    fn reset(&self, gpu: u32) {
+        self.state
+            .update(&self.node, |s| {
+                let now = s.clock_s.unwrap_or(0.0);
+                s.reset_gpu(&self.node, gpu, now)
+            })
+            .unwrap();
+    }
+    fn name(&self) -> &'static str {
+        "nvml+fake"
+    }
+}
+
+fn fixture_path(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name)
+}
+
+fn sim_harness(fixture: &Path) -> SimHarness {
+    let clock = ManualClock::new();
+    let sim = SimBackend::from_file(fixture, Arc::new(clock.clone())).unwrap();
+    SimHarness { sim, clock }
+}
+
+/// The fake library keeps one context per process and reads its fixture from the environment
+/// at `nvmlInit`, so fake-backed harnesses take turns.
+static FAKE_SERIAL: Mutex<()> = Mutex::new(());
+
+fn fake_harness(fixture: &Path) -> FakeHarness {
+    let serial = FAKE_SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let lib = fake_library();
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join(fixture.file_name().unwrap());
+    std::fs::copy(fixture, &copy).unwrap();
+    let node = Node::load(&copy).unwrap();
+    let state = StateFile::for_fixture(&copy);
+    state
+        .update(&node, |s| {
+            s.clock_s = Some(0.0);
+            Ok(())
+        })
+        .unwrap();
+    // SAFETY: FAKE_SERIAL serializes every reader and writer of these variables in this test
+    // binary (only the fake library reads them, during nvmlInit below).
+    unsafe {
+        std::env::set_var("GPUPOOL_FAKE_NVML_FIXTURE", &copy);
+        std::env::remove_var("GPUPOOL_FAKE_NVML_STATE");
+    }
+    let backend = NvmlBackend::new(&NvmlOptions {
+        library: Some(lib.to_path_buf()),
+    })
+    .unwrap();
+    FakeHarness {
+        backend,
+        node,
+        state,
+        _dir: dir,
+        _serial: serial,
+    }
+}
+
+/// Builds the fake library once per test process and returns a `libnvidia-ml.so.1` path to it.
+fn fake_library() -> &'static Path {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        if let Some(p) = std::env::var_os("GPUPOOL_FAKE_NVML_LIB") {
+            return PathBuf::from(p);
+        }
+        // The test binary is <target>/<profile>/deps/conformance-…; build next to <target>.
+        let exe = std::env::current_exe().unwrap();
+        let target = exe.ancestors().nth(3).unwrap().to_path_buf();
+        let target_dir = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or(target)
+            .join("fake-nvml");
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let status = std::process::Command::new(cargo)
+            .args([
+                "build",
+                "--quiet",
+                "-p",
+                "gpupool-fake-nvml",
+                "--target-dir",
+            ])
+            .arg(&target_dir)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("running cargo to build the fake libnvidia-ml");
+        assert!(status.success(), "building gpupool-fake-nvml failed");
+        let built = target_dir.join("debug").join("libnvidia_ml.so");
+        assert!(built.is_file(), "{} missing", built.display());
+        // Load it under the name the driver ships, as the agent would find it.
+        let link = target_dir.join("debug").join("libnvidia-ml.so.1");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&built, &link).unwrap();
+        link
+    })
+}
+
+/// Runs a case on both backends and checks they saw the same thing.
+fn conform(fixture: &str, case: impl Fn(&dyn Harness) -> Vec<String>) {
+    let path = fixture_path(fixture);
+    let sim = case(&sim_harness(&path));
+    let fake = case(&fake_harness(&path));
+    assert_eq!(
+        sim.len(),
+        fake.len(),
+        "{fixture}: transcripts differ in length"
+    );
+    for (i, (s, f)) in sim.iter().zip(&fake).enumerate() {
+        assert_eq!(
+            s, f,
+            "{fixture}: step {i} differs between sim and nvml+fake"
+        );
+    }
+}
+
+/// Transcript line for a result: the value, or the error's kind (messages differ by design).
+fn line<T: std::fmt::Debug>(
+    what: &str,
+    r: &Result<T, gpupool_device_plugin::backend::Error>,
+) -> String {
+    match r {
+        Ok(v) => format!("{what}: {v:?}"),
+        Err(e) => format!("{what}: error {:?}", e.kind()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cases
+// ---------------------------------------------------------------------------------------------
+
+fn enumeration(h: &dyn Harness) -> Vec<String> {
+    let b = h.backend();
+    let mut t = vec![line("driver", &b.driver())];
+    let devices = b.devices().unwrap();
+    t.push(format!("devices: {devices:?}"));
+    for a in 0..devices.len() as u32 {
+        t.push(line(&format!("numa {a}"), &b.numa_node(a)));
+        t.push(line(&format!("health {a}"), &b.health(a)));
+        t.push(line(&format!("mig mode {a}"), &b.mig_mode(a)));
+        for c in 0..devices.len() as u32 {
+            t.push(line(&format!("topology {a}-{c}"), &b.topology(a, c)));
+        }
+    }
+    t.push(line("device 99", &b.device(99)));
+    t
+}
+
+#[test]
+fn enumeration_h100() {
+    conform("h100-8x.yaml", |h| {
+        let b = h.backend();
+        let devices = b.devices().unwrap();
+        assert_eq!(devices.len(), 8, "{}", h.name());
+        for (i, d) in devices.iter().enumerate() {
+            assert_eq!(d.index, i as u32);
+            assert_eq!(d.name, "NVIDIA H100 80GB HBM3");
+            assert_eq!(d.memory_mib, 81559);
+            assert_eq!(d.compute_capability, (9, 0));
+            assert_eq!(d.architecture.to_string(), "hopper");
+            assert!(d.mig_capable);
+            assert_eq!(d.minor_number, i as u32);
+        }
+        assert_eq!(devices[0].pci_bus_id, "00000000:18:00.0");
+        let driver = b.driver().unwrap();
+        assert_eq!(driver.driver_version, "550.54.15");
+        assert_eq!(driver.cuda_version.to_string(), "12.4");
+        assert_eq!(b.device(99).unwrap_err().kind(), ErrorKind::InvalidArgument);
+        enumeration(h)
+    });
+}
+
+#[test]
+fn enumeration_other_fixtures() {
+    for fixture in [
+        "a100-8x.yaml",
+        "l4-4x.yaml",
+        "mixed-small.yaml",
+        "old-driver.yaml",
+    ] {
+        conform(fixture, enumeration);
+    }
+}
+
+#[test]
+fn enumeration_rtx4090_explicit_identity() {
+    conform("rtx4090.yaml", |h| {
+        let b = h.backend();
+        let d = b.device(0).unwrap();
+        assert_eq!(d.uuid.as_str(), "GPU-9d2ba7c4-3e81-4f55-b1a0-6c2e8f0d4a17");
+        assert_eq!(d.pci_bus_id, "00000000:01:00.0");
+        assert_eq!(d.name, "NVIDIA GeForce RTX 4090");
+        assert!(!d.mig_capable);
+        let health = b.health(0).unwrap();
+        assert_eq!(health.ecc_uncorrected, None, "no ECC on GeForce");
+        assert_eq!(health.retired_pages, None);
+        assert_eq!(health.temperature_c, Some(38));
+        assert_eq!(b.mig_mode(0).unwrap_err().kind(), ErrorKind::NotSupported);
+        assert_eq!(
+            b.gpu_instance_profiles(0).unwrap_err().kind(),
+            ErrorKind::NotSupported
+        );
+        enumeration(h)
+    });
+}
+
+#[test]
+fn old_driver_versions() {
+    conform("old-driver.yaml", |h| {
+        let driver = h.backend().driver().unwrap();
+        assert_eq!(driver.driver_version, "535.104.05");
+        assert_eq!(driver.cuda_version.to_string(), "12.2");
+        vec![format!("{driver:?}")]
+    });
+}
+
+#[test]
+fn topology_nvlink_pairs() {
+    conform("topology-nvlink.yaml", |h| {
+        let b = h.backend();
+        let t = |a, c| b.topology(a, c).unwrap();
+        assert!(t(0, 1).nvlink && t(2, 3).nvlink);
+        assert!(!t(0, 2).nvlink && !t(1, 3).nvlink && !t(0, 0).nvlink);
+        assert_eq!(t(0, 1).pcie, PcieLink::SingleSwitch);
+        assert_eq!(t(0, 2).pcie, PcieLink::System);
+        assert_eq!(t(1, 1).pcie, PcieLink::SameBoard);
+        assert_eq!(b.numa_node(3).unwrap(), Some(1));
+        enumeration(h)
+    });
+}
+
+#[test]
+fn health_events_and_recovery() {
+    conform("faults.yaml", |h| {
+        let b = h.backend();
+        let mut t = Vec::new();
+        let mut events = b.health_events().unwrap();
+        let mut step = |h: &dyn Harness, at: f64, t: &mut Vec<String>| {
+            h.set_time(at);
+            let got = events.wait(Duration::ZERO).unwrap();
+            t.push(format!("events at {at}: {got:?}"));
+            for gpu in 0..3 {
+                t.push(line(&format!("health {gpu} at {at}"), &b.health(gpu)));
+            }
+            got
+        };
+        assert!(step(h, 0.0, &mut t).is_empty());
+        let ecc = step(h, 30.0, &mut t);
+        assert_eq!(ecc.len(), 1);
+        assert_eq!(ecc[0].kind, HealthEventKind::DoubleBitEcc);
+        assert_eq!(
+            ecc[0].uuid.as_str(),
+            "GPU-8b9c0d1e-2f3a-4b5c-8d7e-9f0a1b2c3d4e"
+        );
+        assert_eq!(b.health(1).unwrap().ecc_uncorrected, Some(1));
+        let later = step(h, 125.0, &mut t);
+        let kinds: Vec<_> = later.iter().map(|e| (e.gpu, e.kind)).collect();
+        assert_eq!(
+            kinds,
+            vec![(1, HealthEventKind::Xid(13)), (0, HealthEventKind::Xid(79))]
+        );
+        assert!(later[1].kind.is_fallen_off_bus());
+        assert_eq!(
+            later[1].uuid.as_str(),
+            "GPU-4a5e1c52-7b0f-4d55-9a3b-1f2e3d4c5b6a"
+        );
+        assert_eq!(b.health(0).unwrap_err().kind(), ErrorKind::GpuLost);
+        assert_eq!(b.health(2).unwrap().pcie_replay, Some(12));
+        // Identity stays readable for a lost GPU.
+        assert_eq!(
+            b.device(0).unwrap().uuid.as_str(),
+            "GPU-4a5e1c52-7b0f-4d55-9a3b-1f2e3d4c5b6a"
+        );
+
+        // Runtime injection, attributed to a MIG device, then recovery.
+        h.inject(Fault {
+            gpu: 1,
+            kind: FaultKind::Xid(48),
+            gpu_instance: Some(GpuInstanceId(3)),
+            compute_instance: Some(ComputeInstanceId(0)),
+        });
+        h.inject(Fault::gpu(1, FaultKind::Temperature(91)));
+        let injected = step(h, 130.0, &mut t);
+        assert_eq!(injected.len(), 1);
+        assert_eq!(injected[0].kind, HealthEventKind::Xid(48));
+        assert_eq!(injected[0].gpu_instance, Some(GpuInstanceId(3)));
+        assert_eq!(injected[0].compute_instance, Some(ComputeInstanceId(0)));
+        assert_eq!(b.health(1).unwrap().temperature_c, Some(91));
+        h.reset(0);
+        h.reset(1);
+        assert!(step(h, 140.0, &mut t).is_empty());
+        let healthy = b.health(0).unwrap();
+        assert_eq!(healthy.ecc_uncorrected, Some(0));
+        assert_eq!(b.health(1).unwrap().ecc_uncorrected, Some(0));
+        assert_eq!(b.health(1).unwrap().temperature_c, Some(38));
+        t
+    });
+}
+
+#[test]
+fn utilization_and_processes() {
+    conform("faults.yaml", |h| {
+        let b = h.backend();
+        let mut t = Vec::new();
+        for at in [10.0, 60.0, 100.0] {
+            h.set_time(at);
+            for gpu in 0..3 {
+                t.push(line(&format!("util {gpu} at {at}"), &b.utilization(gpu)));
+                t.push(line(&format!("procs {gpu} at {at}"), &b.processes(gpu)));
+            }
+        }
+        h.set_time(10.0);
+        let u = b.utilization(0).unwrap();
+        assert_eq!((u.gpu_percent, u.memory_percent), (88, 40));
+        let p = b.processes(0).unwrap();
+        assert_eq!(p.len(), 1);
+        assert_eq!((p[0].pid, p[0].used_memory_mib), (2001, Some(4096)));
+        assert_eq!(p[0].gpu_instance, None);
+        assert_eq!(b.utilization(2).unwrap().gpu_percent, 0);
+        h.set_time(100.0);
+        assert_eq!(b.utilization(0).unwrap().gpu_percent, 0);
+        assert!(b.processes(0).unwrap().is_empty());
+        assert_eq!(b.utilization(2).unwrap().gpu_percent, 35);
+        assert_eq!(b.processes(2).unwrap()[0].pid, 3001);
+        t
+    });
+}
+
+/// Enable MIG on an H100, plan and create a layout, read it back, break some rules, tear down.
+fn mig_lifecycle(h: &dyn Harness) -> Vec<String> {
+    let b = h.backend();
+    let gpu = 1;
+    let mut t = Vec::new();
+    assert_eq!(
+        b.gpu_instance_profiles(gpu).unwrap_err().kind(),
+        ErrorKind::NotSupported,
+        "placements need MIG mode"
+    );
+    assert_eq!(b.set_mig_mode(gpu, true).unwrap(), MigModeChange::Applied);
+    assert_eq!(
+        b.mig_mode(gpu).unwrap(),
+        MigMode {
+            current: true,
+            pending: true
+        }
+    );
+
+    let profiles = b.gpu_instance_profiles(gpu).unwrap();
+    t.push(format!("profiles: {profiles:?}"));
+    let h100 = catalog::model_by_product_name("NVIDIA H100 80GB HBM3").unwrap();
+    assert_eq!(profiles.len(), h100.profiles.len());
+    for spec in h100.profiles {
+        let p = profiles
+            .iter()
+            .find(|p| p.id == GiProfileId(spec.profile_id))
+            .unwrap_or_else(|| panic!("{} missing", spec.name));
+        assert_eq!(p.name.as_str(), spec.name);
+        assert_eq!(p.nvml_profile, spec.nvml_profile);
+        assert_eq!(p.slice_count, spec.compute_slices);
+        assert_eq!(p.instance_count, spec.max_instances);
+        let starts: Vec<u32> = p.placements.iter().map(|pl| pl.start).collect();
+        assert_eq!(starts, spec.placement_starts, "{}", spec.name);
+        assert!(p.placements.iter().all(|pl| pl.size == spec.memory_slices));
+    }
+    let by_name = |n: &str| profiles.iter().find(|p| p.name.as_str() == n).unwrap();
+    assert_eq!(by_name("1g.10gb").id, GiProfileId(19));
+    assert_eq!(by_name("1g.10gb+me").id, GiProfileId(20));
+    assert_eq!(by_name("3g.40gb").id, GiProfileId(9));
+    assert_eq!(by_name("7g.80gb").id, GiProfileId(0));
+
+    // Plan with the catalog, apply with explicit placements.
+    let plan = catalog::plan_layout(h100, &["1g.10gb", "1g.10gb", "2g.20gb", "3g.40gb"]).unwrap();
+    let mut created = Vec::new();
+    for step in &plan {
+        let gi = b
+            .create_gpu_instance(gpu, GiProfileId(step.profile.profile_id), Some(step.start))
+            .unwrap();
+        assert_eq!(gi.profile_id, GiProfileId(step.profile.profile_id));
+        assert_eq!(
+            gi.placement,
+            Placement {
+                start: step.start,
+                size: step.profile.memory_slices
+            }
+        );
+        let ci_profiles = b.compute_instance_profiles(gpu, gi.id).unwrap();
+        t.push(format!("ci profiles of {:?}: {ci_profiles:?}", gi.id));
+        let full = ci_profiles
+            .iter()
+            .find(|p| p.slice_count == step.profile.compute_slices)
+            .unwrap();
+        let ci = b.create_compute_instance(gpu, gi.id, full.id).unwrap();
+        assert_eq!(ci.placement.start, 0);
+        created.push((gi, ci));
+    }
+    t.push(format!("created: {created:?}"));
+
+    // Read back.
+    let gis = b.gpu_instances(gpu).unwrap();
+    t.push(format!("gpu instances: {gis:?}"));
+    let mut placements: Vec<(u32, u32)> = gis
+        .iter()
+        .map(|g| (g.profile_id.0, g.placement.start))
+        .collect();
+    placements.sort();
+    assert_eq!(placements, vec![(9, 4), (14, 0), (19, 2), (19, 3)]);
+    let migs = b.mig_devices(gpu).unwrap();
+    t.push(format!("mig devices: {migs:?}"));
+    assert_eq!(migs.len(), 4);
+    let parent = b.device(gpu).unwrap().uuid;
+    for m in &migs {
+        assert_eq!(m.parent, parent);
+        assert!(m.uuid.as_str().starts_with("MIG-"));
+    }
+    let mut names: Vec<&str> = migs.iter().map(|m| m.profile.as_str()).collect();
+    names.sort();
+    assert_eq!(names, vec!["1g.10gb", "1g.10gb", "2g.20gb", "3g.40gb"]);
+    for (gi, _) in &created {
+        t.push(line(
+            &format!("compute instances of {:?}", gi.id),
+            &b.compute_instances(gpu, gi.id),
+        ));
+    }
+    t.push(line("utilization with MIG", &b.utilization(gpu)));
+    assert_eq!(
+        b.utilization(gpu).unwrap_err().kind(),
+        ErrorKind::NotSupported
+    );
+
+    // Rules the driver enforces.
+    let overlap = b.create_gpu_instance(gpu, GiProfileId(19), Some(2));
+    t.push(line("overlapping 1g.10gb", &overlap));
+    assert_eq!(
+        overlap.unwrap_err().kind(),
+        ErrorKind::InsufficientResources
+    );
+    let bad_start = b.create_gpu_instance(gpu, GiProfileId(9), Some(2));
+    t.push(line("3g.40gb at 2", &bad_start));
+    assert_eq!(bad_start.unwrap_err().kind(), ErrorKind::InvalidArgument);
+    let unknown = b.create_gpu_instance(gpu, GiProfileId(77), None);
+    t.push(line("profile 77", &unknown));
+    assert_eq!(unknown.unwrap_err().kind(), ErrorKind::InvalidArgument);
+    let full = b.create_gpu_instance(gpu, GiProfileId(19), None);
+    t.push(line("another 1g.10gb", &full));
+    assert_eq!(full.unwrap_err().kind(), ErrorKind::InsufficientResources);
+    let (gi0, _) = &created[0];
+    let busy = b.destroy_gpu_instance(gpu, gi0.id);
+    t.push(line("destroy GI with CI", &busy));
+    assert_eq!(busy.unwrap_err().kind(), ErrorKind::InUse);
+    let disable = b.set_mig_mode(gpu, false);
+    t.push(line("disable with instances", &disable));
+    assert_eq!(disable.unwrap_err().kind(), ErrorKind::InUse);
+    let missing = b.destroy_compute_instance(gpu, gi0.id, ComputeInstanceId(5));
+    t.push(line("destroy missing CI", &missing));
+    assert_eq!(missing.unwrap_err().kind(), ErrorKind::NotFound);
+    let no_gi = b.compute_instances(gpu, GpuInstanceId(42));
+    t.push(line("CIs of missing GI", &no_gi));
+    assert_eq!(no_gi.unwrap_err().kind(), ErrorKind::NotFound);
+
+    // Tear down.
+    for (gi, ci) in &created {
+        b.destroy_compute_instance(gpu, gi.id, ci.id).unwrap();
+        b.destroy_gpu_instance(gpu, gi.id).unwrap();
+    }
+    assert!(b.gpu_instances(gpu).unwrap().is_empty());
+    assert!(b.mig_devices(gpu).unwrap().is_empty());
+    assert_eq!(b.set_mig_mode(gpu, false).unwrap(), MigModeChange::Applied);
+    t.push(line("mig mode at end", &b.mig_mode(gpu)));
+    t.push(line("GIs with MIG off", &b.gpu_instances(gpu)));
+    t
+}
+
+#[test]
+fn mig_lifecycle_h100() {
+    conform("h100-8x.yaml", mig_lifecycle);
+}
+
+#[test]
+fn mig_on_a30_and_ampere_reset() {
+    conform("mixed-small.yaml", |h| {
+        let b = h.backend();
+        let mut t = Vec::new();
+        assert!(b.mig_mode(0).unwrap().current);
+        assert_eq!(b.mig_mode(1).unwrap_err().kind(), ErrorKind::NotSupported);
+        let profiles = b.gpu_instance_profiles(0).unwrap();
+        t.push(format!("{profiles:?}"));
+        let names: Vec<&str> = profiles.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(
+            names,
+            vec!["1g.6gb", "2g.12gb", "4g.24gb", "1g.6gb+me", "2g.12gb+me"]
+        );
+        let ids: Vec<u32> = profiles.iter().map(|p| p.id.0).collect();
+        assert_eq!(ids, vec![14, 5, 0, 21, 6]);
+        let a30 = catalog::model_by_product_name("NVIDIA A30").unwrap();
+        for step in catalog::plan_layout(a30, &["1g.6gb", "2g.12gb", "1g.6gb"]).unwrap() {
+            let gi = b
+                .create_gpu_instance(0, GiProfileId(step.profile.profile_id), Some(step.start))
+                .unwrap();
+            b.create_compute_instance(0, gi.id, CiProfileId(step.profile.compute_slices - 1))
+                .unwrap();
+        }
+        let migs = b.mig_devices(0).unwrap();
+        t.push(format!("{migs:?}"));
+        assert_eq!(migs.len(), 3);
+        t
+    });
+    conform("a100-8x.yaml", |h| {
+        let b = h.backend();
+        let mut t = Vec::new();
+        let change = b.set_mig_mode(2, true).unwrap();
+        assert!(matches!(change, MigModeChange::PendingReset(_)));
+        t.push(line("mode", &b.mig_mode(2)));
+        assert_eq!(
+            b.mig_mode(2).unwrap(),
+            MigMode {
+                current: false,
+                pending: true
+            }
+        );
+        h.reset(2);
+        t.push(line("mode after reset", &b.mig_mode(2)));
+        assert!(b.mig_mode(2).unwrap().current);
+        let profiles = b.gpu_instance_profiles(2).unwrap();
+        let ids: Vec<u32> = profiles.iter().map(|p| p.id.0).collect();
+        assert_eq!(ids, vec![19, 14, 9, 5, 0, 20, 15]);
+        t.push(format!("{profiles:?}"));
+        t
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fake-only: persistence across restarts, and the suite's power to tell backends apart
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn fake_layout_survives_an_agent_restart() {
+    let path = fixture_path("h100-8x.yaml");
+    let first = fake_harness(&path);
+    let b = first.backend();
+    assert_eq!(b.set_mig_mode(3, true).unwrap(), MigModeChange::Applied);
+    let gi = b.create_gpu_instance(3, GiProfileId(9), Some(4)).unwrap();
+    let ci = b
+        .create_compute_instance(3, gi.id, CiProfileId(catalog::nvml_ci_profile::SLICE_3))
+        .unwrap();
+    let before = b.mig_devices(3).unwrap();
+    // "Restart": shut NVML down, load it again from the same state file.
+    let FakeHarness {
+        backend,
+        node,
+        state,
+        _dir: dir,
+        _serial: serial,
+    } = first;
+    drop(backend);
+    let again = NvmlBackend::new(&NvmlOptions {
+        library: Some(fake_library().to_path_buf()),
+    })
+    .unwrap();
+    assert_eq!(again.mig_devices(3).unwrap(), before);
+    assert!(again.mig_mode(3).unwrap().current);
+    // A second process would see the same: the state file says so.
+    let s = state.read(&node).unwrap();
+    assert_eq!(s.gpus[3].gpu_instances.len(), 1);
+    assert_eq!(s.gpus[3].gpu_instances[0].start, 4);
+    again.destroy_compute_instance(3, gi.id, ci.id).unwrap();
+    again.destroy_gpu_instance(3, gi.id).unwrap();
+    drop((again, dir, serial));
+}
+
+#[test]
+fn missing_driver_is_reported_clearly() {
+    let _serial = FAKE_SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let lib = fake_library();
+    // SAFETY: serialized by FAKE_SERIAL, as above.
+    unsafe { std::env::remove_var("GPUPOOL_FAKE_NVML_FIXTURE") };
+    let err = NvmlBackend::new(&NvmlOptions {
+        library: Some(lib.to_path_buf()),
+    })
+    .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::DriverNotLoaded);
+    assert!(
+        err.to_string()
+            .starts_with("NVML could not be loaded: is the NVIDIA driver installed on this node?"),
+        "{err}"
+    );
+    let err = NvmlBackend::new(&NvmlOptions {
+        library: Some(PathBuf::from("/nonexistent/libnvidia-ml.so.1")),
+    })
+    .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::DriverNotLoaded);
+}
+
+/// The comparison in `conform` would catch a fake that disagreed with the simulator: here the
+/// fake is given a fixture with one different UUID, then a state with a moved placement.
+#[test]
+fn the_suite_tells_differing_backends_apart() {
+    let path = fixture_path("faults.yaml");
+    let sim = enumeration(&sim_harness(&path));
+
+    let dir = tempfile::tempdir().unwrap();
+    let altered = dir.path().join("faults.yaml");
+    let text = std::fs::read_to_string(&path).unwrap().replace(
+        "GPU-4a5e1c52-7b0f-4d55-9a3b-1f2e3d4c5b6a",
+        "GPU-4a5e1c52-7b0f-4d55-9a3b-1f2e3d4c5b6b",
+    );
+    std::fs::write(&altered, text).unwrap();
+    let fake = enumeration(&fake_harness(&altered));
+    assert_ne!(sim, fake, "a different UUID must change the transcript");
+
+    // Same fixture, but the fake's state holds a GPU instance at another placement.
+    let path = fixture_path("h100-8x.yaml");
+    let layout = |h: &dyn Harness| {
+        let b = h.backend();
+        b.set_mig_mode(2, true).unwrap();
+        vec![line("gpu instances", &b.gpu_instances(2))]
+    };
+    let sim_h = sim_harness(&path);
+    sim_h.sim.set_mig_mode(2, true).unwrap();
+    sim_h
+        .sim
+        .create_gpu_instance(2, GiProfileId(9), Some(0))
+        .unwrap();
+    let fake_h = fake_harness(&path);
+    fake_h
+        .state
+        .update(&fake_h.node, |s| {
+            s.gpus[2].mig_current = true;
+            s.gpus[2].mig_pending = true;
+            s.create_gpu_instance(&fake_h.node, 2, 9, Some(4), 0.0)
+                .map(|_| ())
+        })
+        .unwrap();
+    assert_ne!(
+        layout(&sim_h),
+        layout(&fake_h),
+        "a moved placement must show"
+    );
+}
