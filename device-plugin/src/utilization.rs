@@ -1,0 +1,303 @@
+//! Utilization and idleness: samples each device, keeps `idleSince` with hysteresis, and maps
+//! devices to the pods holding them through the kubelet PodResources API.
+//!
+//! Whole GPUs are judged by NVML utilization against the pool's threshold. NVML reports no
+//! utilization for MIG devices, so a MIG device is busy while a compute process runs in it and
+//! idle otherwise (GPM metrics would be finer, but the backend does not expose them). A device
+//! whose activity cannot be observed is `Unknown`, which is never idle.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use gpupool_crds::node::{Activity, Idleness, PodRef};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+
+use crate::backend::{ErrorKind, GpuBackend};
+use crate::inventory::Inventory;
+use crate::plugin::api::podresources_v1::ListPodResourcesRequest;
+use crate::plugin::api::podresources_v1::pod_resources_lister_client::PodResourcesListerClient;
+
+/// What one sample of one device showed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DeviceSample {
+    /// Busy, idle or unknown.
+    pub activity: Activity,
+    /// SM utilization, percent, when NVML reports it.
+    pub utilization_percent: Option<u32>,
+    /// GPU memory used by compute processes, MiB.
+    pub memory_used_mib: Option<u64>,
+}
+
+/// Samples every GPU and MIG device, keyed by UUID.
+pub fn sample(
+    backend: &dyn GpuBackend,
+    inventory: &Inventory,
+    idle_threshold: u32,
+) -> BTreeMap<String, DeviceSample> {
+    let mut out = BTreeMap::new();
+    for gpu in &inventory.gpus {
+        let index = gpu.device.index;
+        let processes = backend.processes(index);
+        let memory = processes
+            .as_ref()
+            .ok()
+            .map(|ps| ps.iter().filter_map(|p| p.used_memory_mib).sum::<u64>());
+        if gpu.mig_enabled() {
+            // The whole GPU is not handed out under MIG; its MIG devices carry the activity.
+            out.insert(
+                gpu.device.uuid.to_string(),
+                DeviceSample {
+                    activity: Activity::Unknown,
+                    utilization_percent: None,
+                    memory_used_mib: memory,
+                },
+            );
+            for mig in &gpu.mig_devices {
+                let sample = match &processes {
+                    Ok(ps) => {
+                        let mine: Vec<_> = ps
+                            .iter()
+                            .filter(|p| {
+                                p.gpu_instance == Some(mig.gpu_instance)
+                                    && p.compute_instance.is_none_or(|c| c == mig.compute_instance)
+                            })
+                            .collect();
+                        DeviceSample {
+                            activity: if mine.is_empty() {
+                                Activity::Idle
+                            } else {
+                                Activity::Busy
+                            },
+                            utilization_percent: None,
+                            memory_used_mib: Some(
+                                mine.iter().filter_map(|p| p.used_memory_mib).sum(),
+                            ),
+                        }
+                    }
+                    Err(_) => DeviceSample::default(),
+                };
+                out.insert(mig.uuid.to_string(), sample);
+            }
+            continue;
+        }
+        let sample = match backend.utilization(index) {
+            Ok(u) => DeviceSample {
+                activity: if u.gpu_percent > idle_threshold {
+                    Activity::Busy
+                } else {
+                    Activity::Idle
+                },
+                utilization_percent: Some(u.gpu_percent),
+                memory_used_mib: memory,
+            },
+            Err(e) => {
+                if e.kind() != ErrorKind::NotSupported {
+                    tracing::debug!(gpu = index, error = %e, "utilization unreadable");
+                }
+                DeviceSample {
+                    activity: Activity::Unknown,
+                    utilization_percent: None,
+                    memory_used_mib: memory,
+                }
+            }
+        };
+        out.insert(gpu.device.uuid.to_string(), sample);
+    }
+    out
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+struct DeviceIdle {
+    reported: Activity,
+    idle_run: u32,
+    run_started: Option<Timestamp>,
+    idle_since: Option<Timestamp>,
+}
+
+/// Per-device idleness with hysteresis: a device is reported idle only after `idle_samples`
+/// consecutive idle samples, with `idleSince` at the first of them; one busy sample makes it
+/// busy again and clears `idleSince`; an unknown sample makes it unknown.
+#[derive(Debug, Clone)]
+pub struct IdleTracker {
+    idle_samples: u32,
+    devices: BTreeMap<String, DeviceIdle>,
+}
+
+impl IdleTracker {
+    /// A tracker that needs `idle_samples` (at least 1) idle samples in a row.
+    pub fn new(idle_samples: u32) -> IdleTracker {
+        IdleTracker {
+            idle_samples: idle_samples.max(1),
+            devices: BTreeMap::new(),
+        }
+    }
+
+    /// Feeds one round of samples taken at `now` (seconds precision, as the API stores it).
+    pub fn observe(&mut self, samples: &BTreeMap<String, Activity>, now: Timestamp) {
+        let now = Timestamp::from_second(now.as_second()).unwrap_or(now);
+        self.devices.retain(|k, _| samples.contains_key(k));
+        for (uuid, activity) in samples {
+            let d = self.devices.entry(uuid.clone()).or_default();
+            match activity {
+                Activity::Busy => {
+                    *d = DeviceIdle {
+                        reported: Activity::Busy,
+                        ..DeviceIdle::default()
+                    }
+                }
+                Activity::Unknown => *d = DeviceIdle::default(),
+                Activity::Idle => {
+                    if d.idle_run == 0 {
+                        d.run_started = Some(now);
+                    }
+                    d.idle_run = d.idle_run.saturating_add(1);
+                    if d.idle_run >= self.idle_samples {
+                        d.reported = Activity::Idle;
+                        d.idle_since = d.run_started;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Idleness of a device for status, with the pods holding it.
+    pub fn idleness(&self, uuid: &str, pods: Vec<PodRef>) -> Idleness {
+        let d = self.devices.get(uuid).cloned().unwrap_or_default();
+        Idleness {
+            activity: d.reported,
+            idle_since: d.idle_since.map(Time),
+            pods,
+        }
+    }
+}
+
+/// Why the PodResources API could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum PodResourcesError {
+    /// No socket (kubelet not running, or the feature gate off).
+    #[error("PodResources socket {0} not found")]
+    Missing(String),
+    /// Connecting or calling failed.
+    #[error("PodResources List on {path}: {detail}")]
+    Call {
+        /// The socket.
+        path: String,
+        /// What went wrong.
+        detail: String,
+    },
+}
+
+/// Device ID (UUID) → pods holding it, for `nvidia.com/*` resources, from the kubelet's
+/// PodResources `List`.
+pub async fn list_pod_devices(
+    socket: &Path,
+    timeout: Duration,
+) -> Result<BTreeMap<String, Vec<PodRef>>, PodResourcesError> {
+    let path = socket.display().to_string();
+    if !socket.exists() {
+        return Err(PodResourcesError::Missing(path));
+    }
+    let channel = crate::plugin::connect_unix(socket, timeout)
+        .await
+        .map_err(|e| PodResourcesError::Call {
+            path: path.clone(),
+            detail: e.to_string(),
+        })?;
+    let mut client = PodResourcesListerClient::new(channel);
+    let response = tokio::time::timeout(timeout, client.list(ListPodResourcesRequest {}))
+        .await
+        .map_err(|_| PodResourcesError::Call {
+            path: path.clone(),
+            detail: "timed out".into(),
+        })?
+        .map_err(|e| PodResourcesError::Call {
+            path: path.clone(),
+            detail: e.to_string(),
+        })?
+        .into_inner();
+    let mut out: BTreeMap<String, Vec<PodRef>> = BTreeMap::new();
+    for pod in response.pod_resources {
+        for container in pod.containers {
+            for devices in container.devices {
+                if !devices.resource_name.starts_with("nvidia.com/") {
+                    continue;
+                }
+                for id in devices.device_ids {
+                    let holders = out.entry(id).or_default();
+                    let r = PodRef {
+                        namespace: pod.namespace.clone(),
+                        name: pod.name.clone(),
+                        container: Some(container.name.clone()),
+                    };
+                    if !holders.contains(&r) {
+                        holders.push(r);
+                    }
+                }
+            }
+        }
+    }
+    for holders in out.values_mut() {
+        holders.sort();
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(s: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + s).unwrap()
+    }
+
+    fn round(t: &mut IdleTracker, a: Activity, s: i64) -> Idleness {
+        t.observe(&[("GPU-a".to_owned(), a)].into_iter().collect(), at(s));
+        t.idleness("GPU-a", vec![])
+    }
+
+    #[test]
+    fn idle_needs_consecutive_samples_and_busy_clears() {
+        let mut t = IdleTracker::new(2);
+        assert_eq!(round(&mut t, Activity::Busy, 0).activity, Activity::Busy);
+        let first = round(&mut t, Activity::Idle, 30);
+        assert_eq!(
+            (first.activity, first.idle_since.is_none()),
+            (Activity::Busy, true)
+        );
+        let second = round(&mut t, Activity::Idle, 60);
+        assert_eq!(second.activity, Activity::Idle);
+        assert_eq!(
+            second.idle_since,
+            Some(Time(at(30))),
+            "idleSince is the first idle sample"
+        );
+        let third = round(&mut t, Activity::Idle, 90);
+        assert_eq!(third.idle_since, Some(Time(at(30))), "stable while idle");
+        let busy = round(&mut t, Activity::Busy, 120);
+        assert_eq!((busy.activity, busy.idle_since), (Activity::Busy, None));
+    }
+
+    #[test]
+    fn unknown_is_never_idle() {
+        let mut t = IdleTracker::new(1);
+        round(&mut t, Activity::Idle, 0);
+        let u = round(&mut t, Activity::Unknown, 10);
+        assert_eq!((u.activity, u.idle_since), (Activity::Unknown, None));
+    }
+
+    #[test]
+    fn sub_second_times_are_truncated() {
+        let mut t = IdleTracker::new(1);
+        let ts = Timestamp::from_millisecond(1_700_000_000_500).unwrap();
+        t.observe(
+            &[("GPU-a".to_owned(), Activity::Idle)].into_iter().collect(),
+            ts,
+        );
+        assert_eq!(
+            t.idleness("GPU-a", vec![]).idle_since,
+            Some(Time(Timestamp::from_second(1_700_000_000).unwrap()))
+        );
+    }
+}
