@@ -1,1 +1,18 @@
-//! gpupool operator.
+//! gpupool operator: reconciles GpuPools into per-node GpuNodes, folds the node agents'
+//! reports into pool status, coordinates MIG drains, and reclaims idle GPU pods.
+//!
+//! Decisions live in pure functions ([`pool`], [`layout`], [`reclaim`]); [`controller`],
+//! [`drain`] and [`reclaim_run`] do the I/O around them.
+
+pub mod controller;
+pub mod drain;
+pub mod error;
+pub mod http;
+pub mod layout;
+pub mod metrics;
+pub mod pool;
+pub mod reclaim;
+pub mod reclaim_run;
+pub mod startup;
+
+pub use error::{Error, Result};

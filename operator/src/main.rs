@@ -1,1 +1,219 @@
-fn main() {}
+//! gpupool-operator: the cluster controller.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
+use clap::Parser;
+use gpupool_operator::controller::{self, Settings};
+use gpupool_operator::http::{self, HttpState};
+use gpupool_operator::metrics::Metrics;
+use gpupool_operator::startup;
+use kube::Client;
+use kube_lease_manager::LeaseManagerBuilder;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+/// gpupool operator: reconciles GpuPools, aggregates GpuNode status, reclaims idle GPU pods.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Log as JSON lines.
+    #[arg(long, env = "GPUPOOL_LOG_JSON")]
+    log_json: bool,
+    /// Log filter (tracing-subscriber EnvFilter syntax).
+    #[arg(long, env = "GPUPOOL_LOG", default_value = "info")]
+    log: String,
+    /// Address for /metrics, /healthz and /readyz.
+    #[arg(long, env = "GPUPOOL_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    http_addr: SocketAddr,
+    /// Elect a leader through a Lease, so only one replica acts.
+    #[arg(long, env = "GPUPOOL_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
+    leader_elect: bool,
+    /// Name of the Lease.
+    #[arg(long, env = "GPUPOOL_LEASE_NAME", default_value = "gpupool-operator")]
+    lease_name: String,
+    /// Namespace of the Lease (the operator's own namespace).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "gpupool-system")]
+    lease_namespace: String,
+    /// Identity in the Lease (the pod name); random when absent.
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// Seconds a Lease is held without renewal before another replica may take it.
+    #[arg(long, env = "GPUPOOL_LEASE_DURATION", default_value_t = 10)]
+    lease_duration: u64,
+    /// Seconds before expiry at which the holder renews.
+    #[arg(long, env = "GPUPOOL_LEASE_GRACE", default_value_t = 3)]
+    lease_grace: u64,
+    /// Seconds between reclaim passes over a pool (GpuNode changes trigger passes too).
+    #[arg(long, env = "GPUPOOL_RECLAIM_INTERVAL", default_value_t = 30)]
+    reclaim_interval: u64,
+    /// Seconds between full re-reconciles when nothing happens.
+    #[arg(long, env = "GPUPOOL_RESYNC", default_value_t = 300)]
+    resync: u64,
+    /// Seconds to wait for the CRDs to be Established at start.
+    #[arg(long, env = "GPUPOOL_CRD_TIMEOUT", default_value_t = 60)]
+    crd_timeout: u64,
+}
+
+fn init_logs(args: &Args) -> Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
+        .with_context(|| format!("invalid --log filter {:?}", args.log))?;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    if args.log_json {
+        builder.json().with_current_span(true).init();
+    } else {
+        builder.init();
+    }
+    Ok(())
+}
+
+fn on_signal(token: CancellationToken) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(e) => {
+                    warn!(error = %e, "cannot listen for SIGTERM");
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        tokio::select! {
+            _ = term => info!("SIGTERM: shutting down"),
+            _ = tokio::signal::ctrl_c() => info!("interrupt: shutting down"),
+        }
+        token.cancel();
+    })
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    init_logs(&args)?;
+    if args.lease_grace >= args.lease_duration {
+        bail!("--lease-grace must be shorter than --lease-duration");
+    }
+    let client = Client::try_default()
+        .await
+        .context("building a Kubernetes client (in-cluster config or KUBECONFIG)")?;
+
+    let shutdown = CancellationToken::new();
+    let signals = on_signal(shutdown.clone());
+    let metrics = Arc::new(Metrics::default());
+    let mut registry = Registry::default();
+    metrics.register(&mut registry);
+    let state = Arc::new(HttpState::new(registry));
+    let server = tokio::spawn(http::serve(args.http_addr, state.clone(), shutdown.clone()));
+
+    startup::wait_for_crds(client.clone(), Duration::from_secs(args.crd_timeout))
+        .await
+        .context("the gpupool CRDs are not available")?;
+    state.ready.store(true, Ordering::Relaxed);
+    info!("CRDs established");
+
+    let settings = Settings {
+        reclaim_interval: Duration::from_secs(args.reclaim_interval),
+        resync: Duration::from_secs(args.resync),
+        ..Settings::default()
+    };
+
+    let result = if args.leader_elect {
+        run_as_leader(&args, client, metrics, settings, shutdown.clone()).await
+    } else {
+        metrics.leader.set(1);
+        controller::run(client, metrics, settings, shutdown.clone())
+            .await
+            .map_err(anyhow::Error::from)
+    };
+    shutdown.cancel();
+    match server.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => error!(error = %e, "the HTTP server failed"),
+        Err(e) => error!(error = %e, "the HTTP server task failed"),
+    }
+    signals.abort();
+    result
+}
+
+/// Waits for the Lease, runs the controller while it is held, and exits if it is lost (the
+/// supervisor restarts the pod, which then stands by).
+async fn run_as_leader(
+    args: &Args,
+    client: Client,
+    metrics: Arc<Metrics>,
+    settings: Settings,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let mut builder = LeaseManagerBuilder::new(client.clone(), &args.lease_name)
+        .with_namespace(&args.lease_namespace)
+        .with_duration(args.lease_duration)
+        .with_grace(args.lease_grace)
+        .with_field_manager("gpupool-operator-lease");
+    if let Some(id) = &args.identity {
+        builder = builder.with_identity(id);
+    }
+    let manager = builder
+        .build()
+        .await
+        .context("setting up leader election")?;
+    let (mut leading, lease_task) = manager.watch().await;
+    info!(lease = %args.lease_name, namespace = %args.lease_namespace, "waiting to lead");
+    loop {
+        if *leading.borrow_and_update() {
+            break;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => {
+                drop(leading);
+                let _ = lease_task.await;
+                return Ok(());
+            }
+            changed = leading.changed() => {
+                changed.context("the leader election task stopped")?;
+            }
+        }
+    }
+    info!("leading: starting the controller");
+    metrics.leader.set(1);
+    let controller_stop = shutdown.child_token();
+    let mut controller = tokio::spawn(controller::run(
+        client,
+        metrics.clone(),
+        settings,
+        controller_stop.clone(),
+    ));
+    let outcome = tokio::select! {
+        done = &mut controller => match done {
+            Ok(r) => r.map_err(anyhow::Error::from),
+            Err(e) => Err(anyhow::Error::from(e).context("the controller task failed")),
+        },
+        () = async {
+            loop {
+                if leading.changed().await.is_err() || !*leading.borrow() {
+                    break;
+                }
+            }
+        } => {
+            controller_stop.cancel();
+            let _ = controller.await;
+            Err(anyhow::anyhow!("lost the leader Lease; exiting so a fresh replica stands by"))
+        }
+    };
+    metrics.leader.set(0);
+    // Dropping the receiver makes the lease task release the Lease, so a standby takes over
+    // at once instead of after the Lease expires.
+    drop(leading);
+    match tokio::time::timeout(Duration::from_secs(5), lease_task).await {
+        Ok(Ok(Ok(_))) => info!("released the leader Lease"),
+        Ok(Ok(Err(e))) => warn!(error = %e, "releasing the leader Lease failed"),
+        Ok(Err(e)) => warn!(error = %e, "the lease task failed"),
+        Err(_) => warn!("releasing the leader Lease timed out"),
+    }
+    outcome
+}

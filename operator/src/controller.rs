@@ -1,0 +1,769 @@
+//! The GpuPool controller: reconcile (I/O edges around the pure decisions in [`crate::pool`],
+//! [`crate::reclaim`] and [`crate::drain`]), error policy, and wiring of watches and stores.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::{StreamExt, future};
+use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
+use gpupool_crds::policy::{OnFailure, ReclaimMode};
+use gpupool_crds::{GpuNode, GpuPool, GpuPoolStatus};
+use k8s_openapi::api::core::v1::{Namespace, Node, ObjectReference, Pod, Taint};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, DynamicObject, PartialObjectMeta, Patch, PatchParams};
+use kube::core::{ApiResource, DeserializeGuard};
+use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::watcher::{self, watcher};
+use kube::runtime::{WatchStreamExt, reflector::reflector};
+use kube::{Client, Resource, ResourceExt};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::error::{Error, Result};
+use crate::metrics::{ErrorLabels, Metrics, ReconcileLabels};
+use crate::pool::{self, ConflictingNode, Member};
+use crate::{drain, reclaim_run};
+
+/// Field manager for every write.
+pub const FIELD_MANAGER: &str = "gpupool-operator";
+const CONTROLLER: &str = "gpupool";
+
+/// Operator settings the reconciler needs.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// How often pools with reclaim on are re-examined.
+    pub reclaim_interval: Duration,
+    /// Requeue period when nothing is pending.
+    pub resync: Duration,
+    /// First error backoff.
+    pub backoff_min: Duration,
+    /// Error backoff cap.
+    pub backoff_max: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            reclaim_interval: Duration::from_secs(30),
+            resync: Duration::from_secs(300),
+            backoff_min: Duration::from_secs(5),
+            backoff_max: Duration::from_secs(300),
+        }
+    }
+}
+
+/// What every reconcile shares: the client, the reflector stores, the recorder, metrics.
+pub struct Context {
+    /// API client.
+    pub client: Client,
+    /// GpuPools (as the controller sees them).
+    pub pools: Store<DeserializeGuard<GpuPool>>,
+    /// Nodes, status stripped.
+    pub nodes: Store<Node>,
+    /// GpuNodes.
+    pub gpunodes: Store<GpuNode>,
+    /// Pods, trimmed to what the reclaimer and drain need.
+    pub pods: Store<Pod>,
+    /// Namespaces' metadata.
+    pub namespaces: Store<PartialObjectMeta<Namespace>>,
+    /// Event recorder.
+    pub recorder: Recorder,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Settings.
+    pub settings: Settings,
+    /// Consecutive failures per pool, for the capped error backoff.
+    pub failures: Mutex<HashMap<String, u32>>,
+    /// Per-pod eviction retry state: attempts and when to try next.
+    pub evict_retry: Mutex<HashMap<String, (u32, Timestamp)>>,
+}
+
+impl Context {
+    fn reset_failures(&self, pool: &str) {
+        if let Ok(mut f) = self.failures.lock() {
+            f.remove(pool);
+        }
+    }
+
+    /// The delay before the next try after a failure: min doubling to max.
+    pub fn backoff(&self, pool: &str) -> Duration {
+        let n = match self.failures.lock() {
+            Ok(mut f) => {
+                let n = f.entry(pool.to_owned()).or_insert(0);
+                *n = n.saturating_add(1);
+                *n
+            }
+            Err(_) => 1,
+        };
+        capped_backoff(n, self.settings.backoff_min, self.settings.backoff_max)
+    }
+
+    /// Publishes an Event, logging (never failing on) errors: Events are best effort.
+    pub async fn event(&self, reference: &ObjectReference, ev: Event) {
+        if let Err(e) = self.recorder.publish(&ev, reference).await {
+            warn!(error = %e, reason = %ev.reason, "publishing an Event failed");
+        }
+    }
+}
+
+/// `min × 2^(n-1)`, capped at `max`.
+pub fn capped_backoff(failures: u32, min: Duration, max: Duration) -> Duration {
+    let factor = 2u32.saturating_pow(failures.saturating_sub(1).min(20));
+    min.saturating_mul(factor).min(max)
+}
+
+fn pool_api_resource() -> ApiResource {
+    ApiResource::erase::<GpuPool>(&())
+}
+
+/// Reconciles one pool: the entry point the controller calls.
+pub async fn reconcile(guard: Arc<DeserializeGuard<GpuPool>>, ctx: Arc<Context>) -> Result<Action> {
+    let name = guard.name_any();
+    let span = info_span!("reconcile", pool = %name);
+    async move {
+        let started = std::time::Instant::now();
+        ctx.metrics.queue_depth.inc();
+        ctx.metrics
+            .reconciles
+            .get_or_create(&ReconcileLabels {
+                controller: CONTROLLER,
+            })
+            .inc();
+        let result = match &guard.0 {
+            Ok(pool) => {
+                let api: Api<GpuPool> = Api::all(ctx.client.clone());
+                let pool = Arc::new(pool.clone());
+                finalizer(&api, POOL_FINALIZER, pool, |event| async {
+                    match event {
+                        Finalizer::Apply(pool) => apply(&pool, &ctx, Timestamp::now()).await,
+                        Finalizer::Cleanup(pool) => cleanup(&pool, &ctx).await,
+                    }
+                })
+                .await
+                .map_err(|e| Error::Finalizer {
+                    pool: name.clone(),
+                    source: Box::new(e),
+                })
+            }
+            Err(invalid) => report_invalid(&name, &invalid.to_string(), &ctx).await,
+        };
+        ctx.metrics
+            .duration
+            .observe(started.elapsed().as_secs_f64());
+        ctx.metrics.queue_depth.dec();
+        if result.is_ok() {
+            ctx.reset_failures(&name);
+        }
+        result
+    }
+    .instrument(span)
+    .await
+}
+
+/// Logs, counts and requeues with a capped backoff.
+pub fn error_policy(
+    guard: Arc<DeserializeGuard<GpuPool>>,
+    error: &Error,
+    ctx: Arc<Context>,
+) -> Action {
+    let name = guard.name_any();
+    let delay = ctx.backoff(&name);
+    warn!(pool = %name, error = %error, retry_in = ?delay, "reconcile failed");
+    ctx.metrics
+        .errors
+        .get_or_create(&ErrorLabels {
+            controller: CONTROLLER,
+            error: error.category(),
+        })
+        .inc();
+    Action::requeue(delay)
+}
+
+/// A pool whose object cannot be read: say so in its status and wait for an edit.
+async fn report_invalid(name: &str, message: &str, ctx: &Context) -> Result<Action> {
+    let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &pool_api_resource());
+    let patch = json!({
+        "apiVersion": "gpupool.io/v1alpha1",
+        "kind": "GpuPool",
+        "status": {
+            "conditions": [{
+                "type": "Ready",
+                "status": "False",
+                "reason": "InvalidSpec",
+                "message": format!("the GpuPool cannot be read: {message}"),
+                "lastTransitionTime": Timestamp::now().to_string(),
+            }]
+        }
+    });
+    api.patch_status(
+        name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(Error::kube(format!("reporting malformed GpuPool {name}")))?;
+    ctx.metrics.write("GpuPool", "status");
+    Ok(Action::await_change())
+}
+
+/// What [`plan_membership`] found: owned nodes and conflicts.
+pub struct Membership {
+    /// Nodes this pool owns, sorted by name.
+    pub members: Vec<Arc<Node>>,
+    /// Nodes matched here that older pools own.
+    pub conflicts: Vec<ConflictingNode>,
+}
+
+/// Splits the nodes the pool matches into owned and conflicting (pure over the stores).
+pub fn plan_membership(pool: &GpuPool, pools: &[Arc<GpuPool>], nodes: &[Arc<Node>]) -> Membership {
+    let mut members = Vec::new();
+    let mut conflicts = Vec::new();
+    let uid = pool.uid();
+    for node in nodes {
+        let labels = node.labels();
+        if !pool::matches(pool, labels) {
+            continue;
+        }
+        let candidates = pools
+            .iter()
+            .map(|p| p.as_ref())
+            .filter(|p| p.uid() != uid)
+            .chain(std::iter::once(pool));
+        match pool::owner_of(labels, candidates) {
+            Some(owner) if owner.uid() == uid => members.push(node.clone()),
+            Some(owner) => conflicts.push(ConflictingNode {
+                node: node.name_any(),
+                owner: owner.name_any(),
+            }),
+            None => {}
+        }
+    }
+    members.sort_by_key(|n| n.name_any());
+    conflicts.sort();
+    Membership { members, conflicts }
+}
+
+fn valid_pools(ctx: &Context) -> Vec<Arc<GpuPool>> {
+    ctx.pools
+        .state()
+        .iter()
+        .filter_map(|g| g.0.as_ref().ok().cloned().map(Arc::new))
+        .collect()
+}
+
+fn owned_by(gn: &GpuNode, pool: &GpuPool) -> bool {
+    let uid = pool.uid();
+    gn.owner_references()
+        .iter()
+        .any(|o| Some(&o.uid) == uid.as_ref())
+}
+
+fn has_taint(node: &Node) -> bool {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == DRIVER_INVALID_TAINT))
+}
+
+/// The reconcile of a live pool.
+async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> {
+    let name = pool.name_any();
+    let pools = valid_pools(ctx);
+    let nodes = ctx.nodes.state();
+    let selector_error = pool::selector(pool).err();
+    let membership = plan_membership(pool, &pools, &nodes);
+    let gpunodes: BTreeMap<String, Arc<GpuNode>> = ctx
+        .gpunodes
+        .state()
+        .into_iter()
+        .map(|g| (g.name_any(), g))
+        .collect();
+    let gn_api: Api<GpuNode> = Api::all(ctx.client.clone());
+    let pool_ref = pool.object_ref(&());
+
+    // GpuNodes: ensure one per member, delete those of nodes that left.
+    let mut members = Vec::new();
+    let member_names: BTreeSet<String> = membership.members.iter().map(|n| n.name_any()).collect();
+    for node in &membership.members {
+        let node_name = node.name_any();
+        let (desired, problem) = pool::desired_gpunode(pool, &node_name, node.labels());
+        let existing = gpunodes.get(&node_name);
+        match existing {
+            Some(gn) if !owned_by(gn, pool) => {
+                // Still held by a pool that is letting go; take it once it is gone.
+                debug!(node = %node_name, "GpuNode still owned by another pool");
+            }
+            Some(gn) if pool::gpunode_up_to_date(gn, &desired) => {}
+            _ => {
+                gn_api
+                    .patch(
+                        &node_name,
+                        &PatchParams::apply(FIELD_MANAGER).force(),
+                        &Patch::Apply(&desired),
+                    )
+                    .await
+                    .map_err(Error::kube(format!("applying GpuNode {node_name}")))?;
+                ctx.metrics.write("GpuNode", "apply");
+                if existing.is_none() {
+                    info!(node = %node_name, "node joined the pool");
+                    ctx.event(
+                        &pool_ref,
+                        Event {
+                            type_: EventType::Normal,
+                            reason: "NodeJoined".into(),
+                            note: Some(format!("node {node_name} joined the pool")),
+                            action: "Reconcile".into(),
+                            secondary: None,
+                        },
+                    )
+                    .await;
+                }
+            }
+        }
+        members.push(Member {
+            node: node_name.clone(),
+            gpunode: existing
+                .filter(|gn| owned_by(gn, pool))
+                .map(|gn| gn.as_ref()),
+            layout_problem: problem,
+        });
+    }
+    for (gn_name, gn) in &gpunodes {
+        if owned_by(gn, pool) && !member_names.contains(gn_name) {
+            delete_gpunode(&gn_api, gn_name, ctx).await?;
+            info!(node = %gn_name, "node left the pool");
+            ctx.event(
+                &pool_ref,
+                Event {
+                    type_: EventType::Normal,
+                    reason: "NodeLeft".into(),
+                    note: Some(format!("node {gn_name} left the pool")),
+                    action: "Reconcile".into(),
+                    secondary: None,
+                },
+            )
+            .await;
+        }
+    }
+
+    // Node labels and taints.
+    for node in nodes.iter() {
+        let node_name = node.name_any();
+        let is_member = member_names.contains(&node_name);
+        let labelled_ours = node.labels().get(POOL_LABEL) == Some(&name);
+        if !is_member && !labelled_ours {
+            continue;
+        }
+        let want_taint = is_member
+            && pool.spec.driver.on_failure == OnFailure::Taint
+            && gpunodes
+                .get(&node_name)
+                .and_then(|g| g.status.as_ref())
+                .and_then(|s| s.validated.as_deref())
+                == Some("False");
+        // Only the operator sets this taint, so a node that leaves the pool loses it.
+        sync_node(node, is_member.then_some(name.as_str()), want_taint, ctx).await?;
+    }
+
+    // MIG drains and idle reclamation.
+    let member_gns: Vec<&GpuNode> = members.iter().filter_map(|m| m.gpunode).collect();
+    let pods_to_drain = drain::run(pool, &member_gns, ctx, now).await?;
+    let previous_reclaim = pool
+        .status
+        .as_ref()
+        .map(|s| s.reclaim.clone())
+        .unwrap_or_default();
+    let reclaim = if pool.spec.reclaim.mode == ReclaimMode::Off && previous_reclaim.warned == 0 {
+        previous_reclaim
+    } else {
+        reclaim_run::run(
+            pool,
+            &membership.members,
+            &member_gns,
+            previous_reclaim,
+            ctx,
+            now,
+        )
+        .await?
+    };
+
+    let status = pool::pool_status(&pool::StatusInput {
+        pool,
+        members,
+        conflicts: membership.conflicts,
+        selector_error,
+        pods_to_drain,
+        reclaim,
+        now,
+    });
+    write_status(pool, status, ctx).await?;
+
+    let busy = pool.spec.reclaim.mode != ReclaimMode::Off || pods_to_drain > 0;
+    Ok(Action::requeue(if busy {
+        ctx.settings.reclaim_interval
+    } else {
+        ctx.settings.resync
+    }))
+}
+
+async fn delete_gpunode(api: &Api<GpuNode>, name: &str, ctx: &Context) -> Result<()> {
+    match api.delete(name, &DeleteParams::default()).await {
+        Ok(_) => {
+            ctx.metrics.write("GpuNode", "delete");
+            Ok(())
+        }
+        Err(e) if crate::error::api_code(&e) == Some(404) => Ok(()),
+        Err(e) => Err(Error::kube(format!("deleting GpuNode {name}"))(e)),
+    }
+}
+
+/// Sets the pool label (or removes it with `None`) and the driver taint, in one patch, only
+/// when something differs.
+async fn sync_node(node: &Node, pool: Option<&str>, want_taint: bool, ctx: &Context) -> Result<()> {
+    let node_name = node.name_any();
+    let label_ok = node.labels().get(POOL_LABEL).map(String::as_str) == pool;
+    let taint_ok = has_taint(node) == want_taint;
+    if label_ok && taint_ok {
+        return Ok(());
+    }
+    let mut patch = json!({ "metadata": { "labels": { POOL_LABEL: pool } } });
+    if !taint_ok {
+        let mut taints: Vec<Taint> = node
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.clone())
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|t| t.key != DRIVER_INVALID_TAINT)
+            .collect();
+        if want_taint {
+            taints.push(Taint {
+                key: DRIVER_INVALID_TAINT.into(),
+                effect: "NoSchedule".into(),
+                value: None,
+                time_added: None,
+            });
+        }
+        // The taint list is replaced whole, so guard against a concurrent change.
+        patch["metadata"]["resourceVersion"] = json!(node.resource_version());
+        patch["spec"] = json!({ "taints": taints });
+    }
+    let api: Api<Node> = Api::all(ctx.client.clone());
+    api.patch(
+        &node_name,
+        &PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..Default::default()
+        },
+        &Patch::Merge(&patch),
+    )
+    .await
+    .map_err(Error::kube(format!("labelling/tainting node {node_name}")))?;
+    ctx.metrics.write("Node", "patch");
+    Ok(())
+}
+
+/// Writes the status if it differs, with Events for transitions.
+async fn write_status(pool: &GpuPool, status: GpuPoolStatus, ctx: &Context) -> Result<()> {
+    let previous = pool.status.clone().unwrap_or_default();
+    if pool.status.as_ref() == Some(&status) {
+        return Ok(());
+    }
+    let name = pool.name_any();
+    let api: Api<GpuPool> = Api::all(ctx.client.clone());
+    let patch = json!({
+        "apiVersion": "gpupool.io/v1alpha1",
+        "kind": "GpuPool",
+        "status": status,
+    });
+    api.patch_status(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(Error::kube(format!("writing status of GpuPool {name}")))?;
+    ctx.metrics.write("GpuPool", "status");
+    let reference = pool.object_ref(&());
+    for (type_, good_when_true) in [("Ready", true), ("Conflict", false)] {
+        let before = pool::condition_status(&previous, type_);
+        let after = pool::condition_status(&status, type_);
+        if before == after {
+            continue;
+        }
+        let Some(c) = status.conditions.iter().find(|c| c.type_ == type_) else {
+            continue;
+        };
+        let good = (c.status == "True") == good_when_true;
+        ctx.event(
+            &reference,
+            Event {
+                type_: if good {
+                    EventType::Normal
+                } else {
+                    EventType::Warning
+                },
+                reason: format!("{type_}{}", c.status),
+                note: Some(c.message.chars().take(1000).collect()),
+                action: "Reconcile".into(),
+                secondary: None,
+            },
+        )
+        .await;
+    }
+    Ok(())
+}
+
+/// The pool is being deleted: remove its GpuNodes, labels and taints, then let go.
+async fn cleanup(pool: &GpuPool, ctx: &Context) -> Result<Action> {
+    let name = pool.name_any();
+    let gn_api: Api<GpuNode> = Api::all(ctx.client.clone());
+    for gn in ctx.gpunodes.state() {
+        if owned_by(&gn, pool) {
+            delete_gpunode(&gn_api, &gn.name_any(), ctx).await?;
+        }
+    }
+    for node in ctx.nodes.state() {
+        if node.labels().get(POOL_LABEL) == Some(&name) {
+            sync_node(&node, None, false, ctx).await?;
+        }
+    }
+    reclaim_run::unwarn_all(pool, ctx).await;
+    info!("pool deleted: GpuNodes, labels and taints removed");
+    ctx.event(
+        &pool.object_ref(&()),
+        Event {
+            type_: EventType::Normal,
+            reason: "CleanedUp".into(),
+            note: Some("removed the pool's GpuNodes, node labels and taints".into()),
+            action: "Cleanup".into(),
+            secondary: None,
+        },
+    )
+    .await;
+    Ok(Action::await_change())
+}
+
+/// Strips what no reconcile reads, so the stores stay small at scale.
+fn trim_node(node: &mut Node) {
+    node.metadata.managed_fields = None;
+    node.metadata.annotations = None;
+    if let Some(status) = node.status.as_mut() {
+        let ready = status
+            .conditions
+            .take()
+            .map(|cs| cs.into_iter().filter(|c| c.type_ == "Ready").collect());
+        *status = Default::default();
+        status.conditions = ready;
+    }
+}
+
+fn trim_pod(pod: &mut Pod) {
+    pod.metadata.managed_fields = None;
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.volumes = None;
+        spec.init_containers = None;
+        for c in &mut spec.containers {
+            c.env = None;
+            c.volume_mounts = None;
+            c.command = None;
+            c.args = None;
+            c.ports = None;
+            c.liveness_probe = None;
+            c.readiness_probe = None;
+            c.startup_probe = None;
+        }
+    }
+    if let Some(status) = pod.status.as_mut() {
+        status.container_statuses = None;
+        status.init_container_statuses = None;
+        status.conditions = None;
+    }
+}
+
+fn trim_gpunode(gn: &mut GpuNode) {
+    gn.metadata.managed_fields = None;
+}
+
+/// What about a node concerns a pool: labels (membership, GPU model), taints, readiness.
+fn node_fingerprint(node: &Node) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    node.labels().hash(&mut h);
+    if let Some(taints) = node.spec.as_ref().and_then(|s| s.taints.as_ref()) {
+        for t in taints {
+            (&t.key, &t.effect, &t.value).hash(&mut h);
+        }
+    }
+    node_ready_status(node).hash(&mut h);
+    h.finish()
+}
+
+fn node_ready_status(node: &Node) -> Option<&str> {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
+        .map(|c| c.status.as_str())
+}
+
+/// Node events that matter: changes of [`node_fingerprint`] and deletions. Heartbeats, which
+/// are most node updates, are dropped, so they cost no reconcile.
+fn relevant_node_changes(
+    events: impl futures::Stream<Item = Result<watcher::Event<Node>, watcher::Error>> + Send + 'static,
+) -> impl futures::Stream<Item = Result<Node, watcher::Error>> + Send + 'static {
+    let mut seen: HashMap<String, u64> = HashMap::new();
+    events
+        .map(move |ev| {
+            let out: Vec<Result<Node, watcher::Error>> = match ev {
+                Err(e) => vec![Err(e)],
+                Ok(watcher::Event::Apply(n)) | Ok(watcher::Event::InitApply(n)) => {
+                    let fp = node_fingerprint(&n);
+                    if seen.insert(n.name_any(), fp) == Some(fp) {
+                        vec![]
+                    } else {
+                        vec![Ok(n)]
+                    }
+                }
+                Ok(watcher::Event::Delete(n)) => {
+                    seen.remove(&n.name_any());
+                    vec![Ok(n)]
+                }
+                Ok(watcher::Event::Init) | Ok(watcher::Event::InitDone) => vec![],
+            };
+            futures::stream::iter(out)
+        })
+        .flatten()
+}
+
+/// Runs the controller until `shutdown` is cancelled.
+pub async fn run(
+    client: Client,
+    metrics: Arc<Metrics>,
+    settings: Settings,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let pools_api: Api<DeserializeGuard<GpuPool>> = Api::all(client.clone());
+    let gn_api: Api<GpuNode> = Api::all(client.clone());
+    let node_api: Api<Node> = Api::all(client.clone());
+    let pod_api: Api<Pod> = Api::all(client.clone());
+    let ns_api: Api<PartialObjectMeta<Namespace>> = Api::all(client.clone());
+
+    let (gn_store, gn_writer) = reflector::store::<GpuNode>();
+    let (node_store, node_writer) = reflector::store::<Node>();
+    let (pod_store, pod_writer) = reflector::store::<Pod>();
+    let (ns_store, ns_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
+
+    let cfg = watcher::Config::default().any_semantic();
+    let gn_stream = reflector(gn_writer, watcher(gn_api, cfg.clone()).modify(trim_gpunode))
+        .default_backoff()
+        .touched_objects();
+    let node_stream = relevant_node_changes(
+        reflector(
+            node_writer,
+            watcher(node_api, cfg.clone()).modify(trim_node),
+        )
+        .default_backoff(),
+    );
+    let pod_stream = reflector(
+        pod_writer,
+        watcher(
+            pod_api,
+            cfg.clone()
+                .fields("status.phase!=Succeeded,status.phase!=Failed"),
+        )
+        .modify(trim_pod),
+    )
+    .default_backoff()
+    .touched_objects();
+    let ns_stream = reflector(ns_writer, watcher(ns_api, cfg.clone()))
+        .default_backoff()
+        .touched_objects();
+
+    let controller = Controller::new(pools_api, cfg)
+        .with_config(ControllerConfig::default().debounce(Duration::from_millis(500)));
+    let pool_store = controller.store();
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: std::env::var("POD_NAME").ok(),
+        },
+    );
+    let ctx = Arc::new(Context {
+        client,
+        pools: pool_store.clone(),
+        nodes: node_store,
+        gpunodes: gn_store.clone(),
+        pods: pod_store,
+        namespaces: ns_store,
+        recorder,
+        metrics: metrics.clone(),
+        settings,
+        failures: Mutex::default(),
+        evict_retry: Mutex::default(),
+    });
+
+    // A node change concerns the pools that match it and the pool its label names.
+    let pools_for_nodes = pool_store.clone();
+    let node_to_pools = move |node: Node| {
+        let labels = node.labels().clone();
+        pools_for_nodes
+            .state()
+            .iter()
+            .filter(|g| {
+                g.0.as_ref().is_ok_and(|p| {
+                    pool::matches(p, &labels) || labels.get(POOL_LABEL) == Some(&p.name_any())
+                })
+            })
+            .map(|g| ObjectRef::new(&g.name_any()))
+            .collect::<Vec<_>>()
+    };
+    let gn_to_pool = |gn: GpuNode| Some(ObjectRef::<DeserializeGuard<GpuPool>>::new(&gn.spec.pool));
+
+    // Pods and namespaces only feed stores; keep their streams polled.
+    let side = tokio::spawn(async move {
+        futures::join!(
+            pod_stream.for_each(|_| future::ready(())),
+            ns_stream.for_each(|_| future::ready(()))
+        );
+    });
+
+    let shutdown_signal = shutdown.clone();
+    controller
+        .watches_stream(node_stream, node_to_pools)
+        .watches_stream(gn_stream, gn_to_pool)
+        .graceful_shutdown_on(async move { shutdown_signal.cancelled().await })
+        .run(reconcile, error_policy, ctx)
+        .for_each(|res| {
+            match res {
+                Ok((obj, _)) => debug!(pool = %obj.name, "reconciled"),
+                Err(e) => debug!(error = %e, "reconcile round"),
+            }
+            future::ready(())
+        })
+        .await;
+    side.abort();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let min = Duration::from_secs(5);
+        let max = Duration::from_secs(300);
+        let got: Vec<u64> = (1..=9)
+            .map(|n| capped_backoff(n, min, max).as_secs())
+            .collect();
+        assert_eq!(got, vec![5, 10, 20, 40, 80, 160, 300, 300, 300]);
+        assert_eq!(capped_backoff(u32::MAX, min, max), max);
+    }
+}

@@ -1,0 +1,882 @@
+//! Pool decisions, free of I/O: which pool owns a node, the GpuNode a node should have, and
+//! the status a pool reports.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpupool_crds::node::{GpuNode, GpuNodeSpec, Health, MigState, UtilizationSpec};
+use gpupool_crds::pool::{
+    DriverVersionCount, GpuCounts, GpuPool, GpuPoolStatus, MigProgress, NodeProblem, ReclaimStatus,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::core::{Selector, SelectorExt};
+use kube::{Resource, ResourceExt};
+
+use crate::layout::{self, LayoutProblem, NodeGpus};
+
+/// Most per-node problems a status lists.
+pub const MAX_PROBLEMS: usize = 50;
+/// Most node names a condition message lists before "and N more".
+const MAX_NAMES_IN_MESSAGE: usize = 10;
+
+/// The pool's node selector, or why it cannot be used.
+pub fn selector(pool: &GpuPool) -> Result<Selector, String> {
+    Selector::try_from(pool.spec.node_selector.clone()).map_err(|e| e.to_string())
+}
+
+/// Whether the pool's selector matches these node labels (an unusable selector matches nothing).
+pub fn matches(pool: &GpuPool, labels: &BTreeMap<String, String>) -> bool {
+    selector(pool).is_ok_and(|s| s.matches(labels))
+}
+
+/// The pool that owns a node matched by `pools`: the oldest by creation time, then by name.
+pub fn owner_of<'p>(
+    labels: &BTreeMap<String, String>,
+    pools: impl IntoIterator<Item = &'p GpuPool>,
+) -> Option<&'p GpuPool> {
+    pools
+        .into_iter()
+        .filter(|p| matches(p, labels))
+        .min_by(|a, b| age_key(a).cmp(&age_key(b)))
+}
+
+fn age_key(pool: &GpuPool) -> (Option<Timestamp>, String) {
+    // A pool without a creation time has not been stored yet; it sorts last (None < Some is
+    // reversed by mapping None to the latest possible time).
+    let created = pool
+        .meta()
+        .creation_timestamp
+        .as_ref()
+        .map(|t| t.0)
+        .or(Some(Timestamp::MAX));
+    (created, pool.name_any())
+}
+
+/// The GpuNode a node of `pool` should have, and a layout problem if the pool's MIG layout
+/// does not fit the node's GPUs.
+pub fn desired_gpunode(
+    pool: &GpuPool,
+    node_name: &str,
+    node_labels: &BTreeMap<String, String>,
+) -> (GpuNode, Option<LayoutProblem>) {
+    let (mig, problem) = layout::resolve(&pool.spec.mig, &NodeGpus::from_labels(node_labels));
+    let spec = GpuNodeSpec {
+        pool: pool.name_any(),
+        driver: pool.spec.driver.clone(),
+        cdi: pool.spec.cdi.clone(),
+        mig,
+        utilization: UtilizationSpec {
+            idle_threshold: pool.spec.reclaim.idle_threshold,
+            ..UtilizationSpec::default()
+        },
+    };
+    let mut gn = GpuNode::new(node_name, spec);
+    gn.metadata = ObjectMeta {
+        name: Some(node_name.to_owned()),
+        labels: Some(BTreeMap::from([(
+            gpupool_crds::labels::POOL_LABEL.to_owned(),
+            pool.name_any(),
+        )])),
+        owner_references: pool.controller_owner_ref(&()).map(|o| vec![o]),
+        ..ObjectMeta::default()
+    };
+    (gn, problem)
+}
+
+/// Whether an existing GpuNode already has what `desired` asks (spec, pool label, owner).
+pub fn gpunode_up_to_date(existing: &GpuNode, desired: &GpuNode) -> bool {
+    let label = |g: &GpuNode| g.labels().get(gpupool_crds::labels::POOL_LABEL).cloned();
+    let owner = |g: &GpuNode| {
+        g.owner_references()
+            .iter()
+            .find(|o| o.controller == Some(true))
+            .map(|o| o.uid.clone())
+    };
+    existing.spec == desired.spec
+        && label(existing) == label(desired)
+        && owner(existing) == owner(desired)
+}
+
+/// One node the pool owns, as the status sees it.
+#[derive(Clone, Debug)]
+pub struct Member<'a> {
+    /// Node name.
+    pub node: String,
+    /// Its GpuNode, if it exists yet.
+    pub gpunode: Option<&'a GpuNode>,
+    /// A layout that does not fit the node.
+    pub layout_problem: Option<LayoutProblem>,
+}
+
+/// A node the pool's selector matches that an older pool owns.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ConflictingNode {
+    /// The node.
+    pub node: String,
+    /// The pool that owns it.
+    pub owner: String,
+}
+
+/// Everything the status is computed from.
+#[derive(Clone, Debug)]
+pub struct StatusInput<'a> {
+    /// The pool.
+    pub pool: &'a GpuPool,
+    /// Nodes it owns.
+    pub members: Vec<Member<'a>>,
+    /// Nodes it matches that older pools own.
+    pub conflicts: Vec<ConflictingNode>,
+    /// Why the selector is unusable, if it is.
+    pub selector_error: Option<String>,
+    /// GPU pods still to be evicted on draining nodes.
+    pub pods_to_drain: u32,
+    /// Reclaim counters, as the reclaimer left them.
+    pub reclaim: ReclaimStatus,
+    /// Now, for condition transition times.
+    pub now: Timestamp,
+}
+
+/// How one node fares.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct NodeVerdict {
+    reported: bool,
+    validated: bool,
+    driver_failed: bool,
+    cdi_current: bool,
+    mig: MigVerdict,
+    unhealthy: bool,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum MigVerdict {
+    #[default]
+    NotManaged,
+    Applied,
+    Pending,
+    Failed,
+}
+
+impl NodeVerdict {
+    fn ready(&self) -> bool {
+        self.reported
+            && self.validated
+            && self.cdi_current
+            && matches!(self.mig, MigVerdict::NotManaged | MigVerdict::Applied)
+    }
+}
+
+fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -> NodeVerdict {
+    let mut v = NodeVerdict::default();
+    let mut problem = |reason: &str, message: String| {
+        problems.push(NodeProblem {
+            node: m.node.clone(),
+            reason: reason.to_owned(),
+            message,
+        })
+    };
+    if let Some(lp) = &m.layout_problem {
+        problem(lp.reason, lp.message.clone());
+        v.mig = MigVerdict::Failed;
+    }
+    let Some(gn) = m.gpunode else {
+        problem(
+            "NotReported",
+            "the GpuNode is being created; the gpupool agent has not reported yet".into(),
+        );
+        return v;
+    };
+    let Some(status) = &gn.status else {
+        problem(
+            "NotReported",
+            "the gpupool agent has not reported on this node yet: check that the device-plugin pod runs on it".into(),
+        );
+        return v;
+    };
+    v.reported = true;
+    let generation = gn.metadata.generation;
+    let current = |observed: Option<i64>| generation.is_none() || observed == generation;
+    match status.validated.as_deref() {
+        Some("True") => v.validated = true,
+        Some("False") => {
+            v.driver_failed = true;
+            let failed: Vec<_> = status.checks.iter().filter(|c| !c.passed).collect();
+            if failed.is_empty() {
+                problem("DriverCheckFailed", "driver validation failed".into());
+            }
+            for c in failed {
+                problem(
+                    "DriverCheckFailed",
+                    format!("check {} failed: {}", c.name, c.message),
+                );
+            }
+        }
+        _ => problem(
+            "NotValidated",
+            "the driver checks have not finished on this node yet".into(),
+        ),
+    }
+    v.cdi_current = if pool.spec.cdi.enabled {
+        match &status.cdi {
+            None => {
+                problem(
+                    "CDISpecMissing",
+                    "the agent has not written a CDI spec yet".into(),
+                );
+                false
+            }
+            Some(_) if !current(status.observed_generation) => {
+                problem(
+                    "CDISpecStale",
+                    "the CDI spec predates the node's current desired state; the agent is regenerating it".into(),
+                );
+                false
+            }
+            Some(_) => true,
+        }
+    } else {
+        true
+    };
+    if gn.spec.mig.managed && m.layout_problem.is_none() {
+        v.mig = match status.mig.state {
+            MigState::Applied if current(status.mig.observed_generation) => MigVerdict::Applied,
+            MigState::Failed => {
+                problem(
+                    "MIGFailed",
+                    format!(
+                        "applying the MIG layout failed: {}",
+                        [status.mig.reason.as_deref(), status.mig.message.as_deref()]
+                            .into_iter()
+                            .flatten()
+                            .collect::<Vec<_>>()
+                            .join(": ")
+                    ),
+                );
+                MigVerdict::Failed
+            }
+            _ => MigVerdict::Pending,
+        };
+    }
+    for gpu in status.gpus.iter().filter(|g| g.health == Health::Unhealthy) {
+        v.unhealthy = true;
+        problem(
+            "GPUUnhealthy",
+            format!(
+                "GPU {} ({}) is unhealthy: {}",
+                gpu.index,
+                gpu.uuid,
+                gpu.reason.as_deref().unwrap_or("no reason given")
+            ),
+        );
+    }
+    v
+}
+
+/// The pool's status.
+pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
+    let pool = input.pool;
+    let previous = pool.status.clone().unwrap_or_default();
+    let mut problems = Vec::new();
+    let mut verdicts = Vec::new();
+    for m in &input.members {
+        verdicts.push(judge_node(pool, m, &mut problems));
+    }
+    for c in &input.conflicts {
+        problems.push(NodeProblem {
+            node: c.node.clone(),
+            reason: "Conflict".into(),
+            message: format!(
+                "also matched by pool {}, which is older and owns the node: narrow one of the selectors",
+                c.owner
+            ),
+        });
+    }
+    problems.sort();
+    problems.dedup();
+    problems.truncate(MAX_PROBLEMS);
+
+    let selected = input.members.len() as u32;
+    let ready = verdicts.iter().filter(|v| v.ready()).count() as u32;
+    let mut gpus = GpuCounts::default();
+    let mut drivers: BTreeMap<String, u32> = BTreeMap::new();
+    for gn in input.members.iter().filter_map(|m| m.gpunode) {
+        if let Some(s) = &gn.status {
+            gpus.total += s.gpu_count;
+            gpus.healthy += s.healthy_gpus;
+            if let Some(d) = &s.driver_version {
+                *drivers.entry(d.clone()).or_default() += 1;
+            }
+        }
+    }
+    let count = |f: fn(&MigVerdict) -> bool| verdicts.iter().filter(|v| f(&v.mig)).count() as u32;
+    let layout_name = pool.spec.mig.layout.as_ref().map(layout::layout_name);
+    let mig_applied = count(|m| *m == MigVerdict::Applied);
+    let mig = MigProgress {
+        summary: layout_name
+            .as_ref()
+            .map(|name| format!("{name} {mig_applied}/{selected}")),
+        applied: mig_applied,
+        pending: count(|m| *m == MigVerdict::Pending),
+        failed: count(|m| *m == MigVerdict::Failed),
+        pods_to_drain: input.pods_to_drain,
+    };
+
+    let gen_ = pool.metadata.generation;
+    let mut conditions = Vec::new();
+    let mut cond = |type_: &str, ok: bool, reason: &str, message: String| {
+        let status = if ok { "True" } else { "False" };
+        conditions.push(condition(
+            &previous.conditions,
+            type_,
+            status,
+            reason,
+            message,
+            gen_,
+            input.now,
+        ));
+    };
+    let conflict = !input.conflicts.is_empty();
+    let ready_ok = selected > 0 && ready == selected && !conflict && input.selector_error.is_none();
+    let (ready_reason, ready_message) = if let Some(e) = &input.selector_error {
+        (
+            "InvalidSelector",
+            format!("the node selector is invalid: {e}"),
+        )
+    } else if selected == 0 {
+        (
+            "NoNodes",
+            "no node matches the node selector (or all are owned by older pools)".to_owned(),
+        )
+    } else if conflict {
+        (
+            "Conflict",
+            format!(
+                "{ready}/{selected} nodes ready; the selector overlaps older pools (see Conflict)"
+            ),
+        )
+    } else if ready_ok {
+        ("AllNodesReady", format!("{ready}/{selected} nodes ready"))
+    } else {
+        (
+            "NodesNotReady",
+            format!(
+                "{ready}/{selected} nodes ready; not ready: {}",
+                names(
+                    input
+                        .members
+                        .iter()
+                        .zip(&verdicts)
+                        .filter(|(_, v)| !v.ready())
+                        .map(|(m, _)| m.node.as_str())
+                )
+            ),
+        )
+    };
+    cond("Ready", ready_ok, ready_reason, ready_message);
+
+    let not = |f: &dyn Fn(&NodeVerdict) -> bool| {
+        input
+            .members
+            .iter()
+            .zip(&verdicts)
+            .filter(|(_, v)| f(v))
+            .map(|(m, _)| m.node.as_str())
+            .collect::<Vec<_>>()
+    };
+    let bad = not(&|v| !v.validated);
+    cond(
+        "DriverValid",
+        bad.is_empty(),
+        if bad.is_empty() {
+            "ChecksPassed"
+        } else if not(&|v| v.driver_failed).is_empty() {
+            "Pending"
+        } else {
+            "ChecksFailed"
+        },
+        if bad.is_empty() {
+            "every node passed the driver checks".into()
+        } else {
+            format!("not validated: {}", names(bad.iter().copied()))
+        },
+    );
+    let bad = not(&|v| !v.cdi_current);
+    cond(
+        "CDIReady",
+        bad.is_empty(),
+        if bad.is_empty() {
+            "Current"
+        } else {
+            "NotCurrent"
+        },
+        if bad.is_empty() {
+            "every node has a current CDI spec".into()
+        } else {
+            format!("CDI spec missing or stale: {}", names(bad.iter().copied()))
+        },
+    );
+    let bad = not(&|v| matches!(v.mig, MigVerdict::Pending | MigVerdict::Failed));
+    cond(
+        "MIGApplied",
+        bad.is_empty(),
+        if bad.is_empty() {
+            "Applied"
+        } else if not(&|v| v.mig == MigVerdict::Failed).is_empty() {
+            "Applying"
+        } else {
+            "Failed"
+        },
+        if bad.is_empty() {
+            match &layout_name {
+                Some(n) => format!("{n} applied on every node"),
+                None => "no MIG layout asked".into(),
+            }
+        } else {
+            format!("MIG layout not applied: {}", names(bad.iter().copied()))
+        },
+    );
+    // Conflict is True when there is one: report it with the polarity its name has.
+    conditions.push(condition(
+        &previous.conditions,
+        "Conflict",
+        if conflict { "True" } else { "False" },
+        if conflict {
+            "NodesOwnedByOlderPool"
+        } else {
+            "NoConflict"
+        },
+        if conflict {
+            let mut owners: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+            for c in &input.conflicts {
+                owners.entry(&c.owner).or_default().push(&c.node);
+            }
+            format!(
+                "nodes matched here belong to older pools: {}",
+                owners
+                    .iter()
+                    .map(|(o, n)| format!("{o} ({})", names(n.iter().copied())))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            )
+        } else {
+            "no node of this pool is matched by an older pool".into()
+        },
+        gen_,
+        input.now,
+    ));
+    let degraded = not(&|v| v.unhealthy);
+    conditions.push(condition(
+        &previous.conditions,
+        "Degraded",
+        if degraded.is_empty() { "False" } else { "True" },
+        if degraded.is_empty() {
+            "AllGPUsHealthy"
+        } else {
+            "UnhealthyGPUs"
+        },
+        if degraded.is_empty() {
+            "every GPU is healthy".into()
+        } else {
+            format!("unhealthy GPUs on {}", names(degraded.iter().copied()))
+        },
+        gen_,
+        input.now,
+    ));
+
+    GpuPoolStatus {
+        observed_generation: gen_,
+        nodes: Some(format!("{ready}/{selected}")),
+        selected_nodes: selected,
+        ready_nodes: ready,
+        gpus,
+        driver: (!drivers.is_empty())
+            .then(|| drivers.keys().cloned().collect::<Vec<_>>().join(", ")),
+        driver_versions: drivers
+            .into_iter()
+            .map(|(version, nodes)| DriverVersionCount { version, nodes })
+            .collect(),
+        mig,
+        reclaim: input.reclaim.clone(),
+        conditions,
+        problems,
+    }
+}
+
+/// A condition, keeping the previous transition time when its status did not change.
+fn condition(
+    previous: &[Condition],
+    type_: &str,
+    status: &str,
+    reason: &str,
+    message: String,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Condition {
+    let last_transition_time = previous
+        .iter()
+        .find(|c| c.type_ == type_ && c.status == status)
+        .map(|c| c.last_transition_time.clone())
+        .unwrap_or(Time(now));
+    Condition {
+        type_: type_.to_owned(),
+        status: status.to_owned(),
+        reason: reason.to_owned(),
+        message,
+        observed_generation: generation,
+        last_transition_time,
+    }
+}
+
+/// `a, b, c and 4 more`.
+fn names<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
+    let all: BTreeSet<&str> = items.into_iter().collect();
+    let mut shown: Vec<&str> = all.iter().copied().take(MAX_NAMES_IN_MESSAGE).collect();
+    let rest = all.len().saturating_sub(shown.len());
+    let mut out = std::mem::take(&mut shown).join(", ");
+    if rest > 0 {
+        out.push_str(&format!(" and {rest} more"));
+    }
+    out
+}
+
+/// The status of a condition type, if present.
+pub fn condition_status<'a>(status: &'a GpuPoolStatus, type_: &str) -> Option<&'a str> {
+    status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| c.status.as_str())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use gpupool_crds::node::{CdiStatus, CheckResult, GpuNodeStatus, GpuStatus, NodeMigStatus};
+    use gpupool_crds::policy::{MigLayout, MigPolicy, MigStrategy};
+    use gpupool_crds::pool::GpuPoolSpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+
+    pub(crate) fn ts(s: &str) -> Timestamp {
+        s.parse().unwrap()
+    }
+
+    pub(crate) fn pool(name: &str, created: &str, match_labels: &[(&str, &str)]) -> GpuPool {
+        let mut p = GpuPool::new(
+            name,
+            GpuPoolSpec {
+                node_selector: LabelSelector {
+                    match_labels: Some(
+                        match_labels
+                            .iter()
+                            .map(|(k, v)| ((*k).into(), (*v).into()))
+                            .collect(),
+                    ),
+                    match_expressions: None,
+                },
+                driver: Default::default(),
+                cdi: Default::default(),
+                mig: Default::default(),
+                reclaim: Default::default(),
+            },
+        );
+        p.metadata.uid = Some(format!("uid-{name}"));
+        p.metadata.generation = Some(1);
+        p.metadata.creation_timestamp = Some(Time(ts(created)));
+        p
+    }
+
+    pub(crate) fn labels(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
+        kv.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect()
+    }
+
+    pub(crate) fn ready_gpunode(pool: &GpuPool, node: &str) -> GpuNode {
+        let (mut gn, _) = desired_gpunode(
+            pool,
+            node,
+            &labels(&[
+                ("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3"),
+                ("nvidia.com/gpu.count", "8"),
+            ]),
+        );
+        gn.metadata.generation = Some(1);
+        gn.status = Some(GpuNodeStatus {
+            observed_generation: Some(1),
+            driver_version: Some("550.54.15".into()),
+            cuda_version: Some("12.4".into()),
+            gpu_count: 8,
+            healthy_gpus: 8,
+            validated: Some("True".into()),
+            cdi: Some(CdiStatus {
+                path: "/var/run/cdi/gpupool-nvidia.yaml".into(),
+                digest: "sha256:00".into(),
+                devices: 8,
+            }),
+            mig: NodeMigStatus {
+                state: if gn.spec.mig.managed {
+                    MigState::Applied
+                } else {
+                    MigState::Idle
+                },
+                observed_generation: Some(1),
+                ..Default::default()
+            },
+            ..Default::default()
+        });
+        gn
+    }
+
+    #[test]
+    fn the_oldest_matching_pool_owns_a_node() {
+        let a = pool("a", "2026-01-02T00:00:00Z", &[("team", "x")]);
+        let b = pool("b", "2026-01-01T00:00:00Z", &[("team", "x")]);
+        let b2 = pool("a0", "2026-01-01T00:00:00Z", &[("team", "x")]);
+        let c = pool("c", "2025-01-01T00:00:00Z", &[("team", "y")]);
+        struct Case<'a> {
+            pools: Vec<&'a GpuPool>,
+            labels: &'a [(&'a str, &'a str)],
+            want: Option<&'a str>,
+        }
+        let cases = [
+            Case {
+                pools: vec![&a, &b, &c],
+                labels: &[("team", "x")],
+                want: Some("b"),
+            },
+            Case {
+                pools: vec![&a, &b, &b2],
+                labels: &[("team", "x")],
+                want: Some("a0"),
+            },
+            Case {
+                pools: vec![&a, &b, &c],
+                labels: &[("team", "y")],
+                want: Some("c"),
+            },
+            Case {
+                pools: vec![&a, &b],
+                labels: &[("team", "z")],
+                want: None,
+            },
+            Case {
+                pools: vec![],
+                labels: &[("team", "x")],
+                want: None,
+            },
+        ];
+        for c in cases {
+            let got = owner_of(&labels(c.labels), c.pools.iter().copied()).map(|p| p.name_any());
+            assert_eq!(got.as_deref(), c.want, "{:?}", c.labels);
+        }
+    }
+
+    #[test]
+    fn desired_gpunode_carries_pool_policy_and_owner() {
+        let mut p = pool("train", "2026-01-01T00:00:00Z", &[]);
+        p.spec.mig = MigPolicy {
+            strategy: MigStrategy::Mixed,
+            layout: Some(MigLayout {
+                preset: Some("all-1g.10gb".into()),
+                custom: None,
+            }),
+        };
+        p.spec.reclaim.idle_threshold = 7;
+        let (gn, problem) = desired_gpunode(
+            &p,
+            "n1",
+            &labels(&[
+                ("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3"),
+                ("nvidia.com/gpu.count", "8"),
+            ]),
+        );
+        assert_eq!(problem, None);
+        assert_eq!(gn.spec.pool, "train");
+        assert_eq!(gn.spec.mig.gpus.len(), 8);
+        assert_eq!(gn.spec.utilization.idle_threshold, 7);
+        let owner = &gn.owner_references()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str()),
+            ("GpuPool", "uid-train")
+        );
+        assert_eq!(owner.controller, Some(true));
+        assert!(gpunode_up_to_date(&gn, &gn));
+
+        // An L4 node cannot take it: a problem, and MIG left alone.
+        let (gn, problem) = desired_gpunode(
+            &p,
+            "n2",
+            &labels(&[
+                ("nvidia.com/gpu.product", "NVIDIA-L4"),
+                ("nvidia.com/gpu.count", "4"),
+            ]),
+        );
+        assert_eq!(problem.map(|p| p.reason), Some("MIGNotSupported"));
+        assert!(!gn.spec.mig.managed);
+    }
+
+    fn input<'a>(pool: &'a GpuPool, members: Vec<Member<'a>>) -> StatusInput<'a> {
+        StatusInput {
+            pool,
+            members,
+            conflicts: vec![],
+            selector_error: None,
+            pods_to_drain: 0,
+            reclaim: ReclaimStatus::default(),
+            now: ts("2026-03-01T00:00:00Z"),
+        }
+    }
+
+    fn member<'a>(node: &str, gn: Option<&'a GpuNode>) -> Member<'a> {
+        Member {
+            node: node.into(),
+            gpunode: gn,
+            layout_problem: None,
+        }
+    }
+
+    #[test]
+    fn status_is_ready_only_when_every_node_is() {
+        let mut p = pool("train", "2026-01-01T00:00:00Z", &[]);
+        p.spec.mig.layout = Some(MigLayout {
+            preset: Some("all-1g.10gb".into()),
+            custom: None,
+        });
+        p.spec.mig.strategy = MigStrategy::Mixed;
+        let good = ready_gpunode(&p, "n1");
+        let mut bad_driver = ready_gpunode(&p, "n2");
+        if let Some(s) = bad_driver.status.as_mut() {
+            s.validated = Some("False".into());
+            s.driver_version = Some("535.104.05".into());
+            s.checks = vec![CheckResult {
+                name: "CUDAVersion".into(),
+                passed: false,
+                message: "driver 535.104.05 supports CUDA 12.2; pool requires 12.4: upgrade the driver to ≥ 550".into(),
+            }];
+        }
+        let mut applying = ready_gpunode(&p, "n3");
+        if let Some(s) = applying.status.as_mut() {
+            s.mig.state = MigState::Applying;
+        }
+        let mut stale_cdi = ready_gpunode(&p, "n4");
+        stale_cdi.metadata.generation = Some(2);
+        if let Some(s) = stale_cdi.status.as_mut() {
+            s.mig.observed_generation = Some(2);
+        }
+
+        let all_good = pool_status(&input(
+            &p,
+            vec![member("n1", Some(&good)), member("n0", Some(&good))],
+        ));
+        assert_eq!(condition_status(&all_good, "Ready"), Some("True"));
+        assert_eq!(all_good.nodes.as_deref(), Some("2/2"));
+        assert_eq!(all_good.gpus.total, 16);
+        assert_eq!(all_good.mig.summary.as_deref(), Some("all-1g.10gb 2/2"));
+        assert_eq!(all_good.driver.as_deref(), Some("550.54.15"));
+        assert!(all_good.problems.is_empty());
+
+        let st = pool_status(&input(
+            &p,
+            vec![
+                member("n1", Some(&good)),
+                member("n2", Some(&bad_driver)),
+                member("n3", Some(&applying)),
+                member("n4", Some(&stale_cdi)),
+                member("n5", None),
+            ],
+        ));
+        assert_eq!(condition_status(&st, "Ready"), Some("False"));
+        assert_eq!(condition_status(&st, "DriverValid"), Some("False"));
+        assert_eq!(condition_status(&st, "MIGApplied"), Some("False"));
+        assert_eq!(condition_status(&st, "CDIReady"), Some("False"));
+        assert_eq!(st.nodes.as_deref(), Some("1/5"));
+        // n1, n2 and n4 have the layout; n3 is applying, n5 has not reported.
+        assert_eq!(st.mig.summary.as_deref(), Some("all-1g.10gb 3/5"));
+        assert_eq!(st.mig.pending, 1);
+        assert_eq!(st.driver.as_deref(), Some("535.104.05, 550.54.15"));
+        let reasons: Vec<(&str, &str)> = st
+            .problems
+            .iter()
+            .map(|p| (p.node.as_str(), p.reason.as_str()))
+            .collect();
+        assert_eq!(
+            reasons,
+            vec![
+                ("n2", "DriverCheckFailed"),
+                ("n4", "CDISpecStale"),
+                ("n5", "NotReported")
+            ]
+        );
+        assert_eq!(
+            st.problems[0].message,
+            "check CUDAVersion failed: driver 535.104.05 supports CUDA 12.2; pool requires 12.4: upgrade the driver to ≥ 550"
+        );
+    }
+
+    #[test]
+    fn conflicts_keep_the_pool_from_ready_and_name_the_nodes() {
+        let p = pool("young", "2026-02-01T00:00:00Z", &[]);
+        let gn = ready_gpunode(&p, "n1");
+        let mut inp = input(&p, vec![member("n1", Some(&gn))]);
+        inp.conflicts = vec![ConflictingNode {
+            node: "n2".into(),
+            owner: "old".into(),
+        }];
+        let st = pool_status(&inp);
+        assert_eq!(condition_status(&st, "Ready"), Some("False"));
+        assert_eq!(condition_status(&st, "Conflict"), Some("True"));
+        let c = st
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Conflict")
+            .unwrap();
+        assert!(c.message.contains("old (n2)"), "{}", c.message);
+        assert_eq!(st.problems[0].reason, "Conflict");
+    }
+
+    #[test]
+    fn unchanged_input_gives_an_identical_status() {
+        let mut p = pool("train", "2026-01-01T00:00:00Z", &[]);
+        let gn = ready_gpunode(&p, "n1");
+        let first = pool_status(&input(&p, vec![member("n1", Some(&gn))]));
+        p.status = Some(first.clone());
+        let mut later = input(&p, vec![member("n1", Some(&gn))]);
+        later.now = ts("2026-03-02T00:00:00Z");
+        assert_eq!(pool_status(&later), first);
+    }
+
+    #[test]
+    fn problems_are_bounded_and_sorted() {
+        let p = pool("big", "2026-01-01T00:00:00Z", &[]);
+        let members: Vec<Member<'_>> = (0..80).map(|i| member(&format!("n{i:03}"), None)).collect();
+        let st = pool_status(&input(&p, members));
+        assert_eq!(st.problems.len(), MAX_PROBLEMS);
+        assert!(st.problems.windows(2).all(|w| w[0] <= w[1]));
+        let ready = st.conditions.iter().find(|c| c.type_ == "Ready").unwrap();
+        assert!(ready.message.contains("and 70 more"), "{}", ready.message);
+    }
+
+    #[test]
+    fn no_nodes_is_not_ready() {
+        let p = pool("empty", "2026-01-01T00:00:00Z", &[]);
+        let st = pool_status(&input(&p, vec![]));
+        assert_eq!(condition_status(&st, "Ready"), Some("False"));
+        let ready = st.conditions.iter().find(|c| c.type_ == "Ready").unwrap();
+        assert_eq!(ready.reason, "NoNodes");
+    }
+
+    #[test]
+    fn unhealthy_gpus_degrade() {
+        let p = pool("p", "2026-01-01T00:00:00Z", &[]);
+        let mut gn = ready_gpunode(&p, "n1");
+        if let Some(s) = gn.status.as_mut() {
+            s.gpus = vec![GpuStatus {
+                index: 3,
+                uuid: "GPU-3".into(),
+                health: Health::Unhealthy,
+                reason: Some("Xid 79".into()),
+                ..Default::default()
+            }];
+        }
+        let st = pool_status(&input(&p, vec![member("n1", Some(&gn))]));
+        assert_eq!(condition_status(&st, "Degraded"), Some("True"));
+        assert_eq!(st.problems[0].message, "GPU 3 (GPU-3) is unhealthy: Xid 79");
+    }
+}

@@ -1,0 +1,507 @@
+//! The reclaimer's edges: gathering each pod's facts from the stores, and carrying out the
+//! decisions of [`crate::reclaim`] (annotations, Events, Job suspension, evictions, deletes).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use gpupool_crds::labels::{IDLE_SINCE_ANNOTATION, POOL_LABEL, RECLAIM_AT_ANNOTATION};
+use gpupool_crds::policy::ReclaimMode;
+use gpupool_crds::pool::ReclaimStatus;
+use gpupool_crds::{GpuNode, GpuPool};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, EvictParams, Patch, PatchParams, PostParams};
+use kube::core::{Selector, SelectorExt};
+use kube::runtime::events::{Event, EventType};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+use tracing::{debug, info, warn};
+
+use crate::controller::{Context, FIELD_MANAGER, capped_backoff};
+use crate::drain::requests_gpu;
+use crate::error::{Error, Result, api_code};
+use crate::reclaim::{
+    self, ActionKind, DRY_RUN_ANNOTATION, Decision, PodContext, devices_by_pod, reclaim_decision,
+};
+
+/// Whether a node reports Ready (the agent's data on it can be current).
+fn node_ready(node: Option<&Arc<Node>>) -> bool {
+    node.and_then(|n| n.status.as_ref())
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
+        .is_some_and(|c| c.status == "True")
+}
+
+/// Whether pending pods that want GPUs could land on one of these nodes (node selector only:
+/// affinity and taints are the scheduler's business, and over-counting demand only means an
+/// idle pod is reclaimed when it might not have had to be, which the policy allows anyway).
+pub fn demand_pending<'a>(pods: impl IntoIterator<Item = &'a Pod>, nodes: &[Arc<Node>]) -> bool {
+    pods.into_iter().any(|p| {
+        let pending = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending");
+        let unscheduled = p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none();
+        pending
+            && unscheduled
+            && p.metadata.deletion_timestamp.is_none()
+            && requests_gpu(p)
+            && nodes.iter().any(|n| {
+                let sel: Selector = p
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.node_selector.clone())
+                    .unwrap_or_default()
+                    .into_iter()
+                    .collect();
+                sel.matches(n.labels())
+            })
+    })
+}
+
+fn rfc3339(t: Timestamp) -> String {
+    Timestamp::from_second(t.as_second())
+        .unwrap_or(t)
+        .to_string()
+}
+
+fn pod_key(pod: &Pod) -> String {
+    format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any())
+}
+
+/// Runs the reclaimer over one pool's nodes and returns the new reclaim status.
+pub async fn run(
+    pool: &GpuPool,
+    nodes: &[Arc<Node>],
+    gpunodes: &[&GpuNode],
+    mut status: ReclaimStatus,
+    ctx: &Context,
+    now: Timestamp,
+) -> Result<ReclaimStatus> {
+    let policy = &pool.spec.reclaim;
+    let pool_name = pool.name_any();
+    let by_name: BTreeMap<String, &Arc<Node>> = nodes.iter().map(|n| (n.name_any(), n)).collect();
+    let all_pods = ctx.pods.state();
+    let demand =
+        policy.only_under_pressure && demand_pending(all_pods.iter().map(|p| p.as_ref()), nodes);
+    let mut warned: BTreeSet<String> = all_pods
+        .iter()
+        .filter(|p| {
+            p.spec
+                .as_ref()
+                .and_then(|s| s.node_name.as_ref())
+                .is_some_and(|n| by_name.contains_key(n))
+                && p.annotations().contains_key(IDLE_SINCE_ANNOTATION)
+        })
+        .map(|p| pod_key(p))
+        .collect();
+
+    for gn in gpunodes {
+        let node_name = gn.name_any();
+        let fresh = node_ready(by_name.get(&node_name).copied());
+        for ((ns, name), devices) in devices_by_pod(gn) {
+            let Some(pod) = ctx.pods.get(&ObjectRef::new(&name).within(&ns)) else {
+                continue;
+            };
+            let ns_meta = ctx.namespaces.get(&ObjectRef::new(&ns));
+            let on_node =
+                pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&node_name);
+            let pctx = PodContext {
+                devices,
+                on_pool_node: on_node,
+                data_fresh: fresh,
+                namespace_labels: ns_meta.as_ref().map(|m| m.labels()),
+                demand_pending: demand,
+            };
+            let decision = reclaim_decision(&pod, &pctx, policy, now);
+            debug!(pod = %pod_key(&pod), ?decision, "reclaim decision");
+            match decision {
+                Decision::Ignore(_)
+                | Decision::Hold(_)
+                | Decision::Wait { .. }
+                | Decision::Notified => {}
+                Decision::WaitForPressure => {
+                    debug!(pod = %pod_key(&pod), "deadline passed; waiting for GPU demand");
+                }
+                Decision::Warn {
+                    idle_since,
+                    reclaim_at,
+                } => {
+                    warn_pod(pool, &pod, idle_since, reclaim_at, ctx).await?;
+                    warned.insert(pod_key(&pod));
+                }
+                Decision::Unwarn(why) => {
+                    unwarn_pod(&pod, why, ctx).await?;
+                    warned.remove(&pod_key(&pod));
+                }
+                Decision::Act(kind) => {
+                    if !reclaim::rate_allows(&status, policy, now) {
+                        info!(pod = %pod_key(&pod), "rate limit reached; action deferred");
+                        continue;
+                    }
+                    if act(pool, &pod, &kind, &mut status, ctx, now).await? {
+                        warned.remove(&pod_key(&pod));
+                    }
+                }
+            }
+        }
+    }
+    status.warned = warned.len() as u32;
+    let _ = pool_name;
+    Ok(status)
+}
+
+fn owner_ref(pod: &Pod, job: &str) -> ObjectReference {
+    let uid = pod
+        .owner_references()
+        .iter()
+        .find(|o| o.kind == "Job" && o.name == job)
+        .map(|o| o.uid.clone());
+    ObjectReference {
+        api_version: Some("batch/v1".into()),
+        kind: Some("Job".into()),
+        name: Some(job.to_owned()),
+        namespace: pod.namespace(),
+        uid,
+        ..Default::default()
+    }
+}
+
+async fn patch_annotations(pod: &Pod, annotations: serde_json::Value, ctx: &Context) -> Result<()> {
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &pod.namespace().unwrap_or_default());
+    match api
+        .patch(
+            &pod.name_any(),
+            &PatchParams {
+                field_manager: Some(FIELD_MANAGER.into()),
+                ..Default::default()
+            },
+            &Patch::Merge(&json!({ "metadata": { "annotations": annotations } })),
+        )
+        .await
+    {
+        Ok(_) => {
+            ctx.metrics.write("Pod", "patch");
+            Ok(())
+        }
+        Err(e) if api_code(&e) == Some(404) => Ok(()),
+        Err(e) => Err(Error::kube(format!("annotating pod {}", pod_key(pod)))(e)),
+    }
+}
+
+async fn warn_pod(
+    pool: &GpuPool,
+    pod: &Pod,
+    idle_since: Timestamp,
+    reclaim_at: Timestamp,
+    ctx: &Context,
+) -> Result<()> {
+    patch_annotations(
+        pod,
+        json!({
+            IDLE_SINCE_ANNOTATION: rfc3339(idle_since),
+            RECLAIM_AT_ANNOTATION: rfc3339(reclaim_at),
+            DRY_RUN_ANNOTATION: null,
+        }),
+        ctx,
+    )
+    .await?;
+    let note = reclaim::warning_note(
+        Timestamp::from_second(idle_since.as_second()).unwrap_or(idle_since),
+        Timestamp::from_second(reclaim_at.as_second()).unwrap_or(reclaim_at),
+        &pool.spec.reclaim,
+    );
+    info!(pod = %pod_key(pod), reclaim_at = %reclaim_at, "warned idle pod");
+    ctx.metrics.reclaim(&pool.name_any(), "Warn", "Succeeded");
+    let ev = |note: String| Event {
+        type_: EventType::Warning,
+        reason: "IdleGPU".into(),
+        note: Some(note),
+        action: "Warn".into(),
+        secondary: Some(pool.object_ref(&())),
+    };
+    ctx.event(&pod.object_ref(&()), ev(note.clone())).await;
+    if let Some(job) = reclaim::job_owner(pod) {
+        ctx.event(
+            &owner_ref(pod, &job),
+            ev(format!("pod {}: {note}", pod.name_any())),
+        )
+        .await;
+    }
+    Ok(())
+}
+
+async fn unwarn_pod(pod: &Pod, why: &str, ctx: &Context) -> Result<()> {
+    patch_annotations(
+        pod,
+        json!({
+            IDLE_SINCE_ANNOTATION: null,
+            RECLAIM_AT_ANNOTATION: null,
+            DRY_RUN_ANNOTATION: null,
+        }),
+        ctx,
+    )
+    .await?;
+    info!(pod = %pod_key(pod), why, "idle warning withdrawn");
+    ctx.event(
+        &pod.object_ref(&()),
+        Event {
+            type_: EventType::Normal,
+            reason: "IdleWarningWithdrawn".into(),
+            note: Some(format!("the idle warning no longer applies: {why}")),
+            action: "Unwarn".into(),
+            secondary: None,
+        },
+    )
+    .await;
+    Ok(())
+}
+
+/// Removes warnings from the pods on a deleted pool's nodes (best effort).
+pub async fn unwarn_all(pool: &GpuPool, ctx: &Context) {
+    let name = pool.name_any();
+    let nodes: BTreeSet<String> = ctx
+        .nodes
+        .state()
+        .iter()
+        .filter(|n| n.labels().get(POOL_LABEL) == Some(&name))
+        .map(|n| n.name_any())
+        .collect();
+    for pod in ctx.pods.state() {
+        let on_ours = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_ref())
+            .is_some_and(|n| nodes.contains(n));
+        if on_ours
+            && pod.annotations().contains_key(IDLE_SINCE_ANNOTATION)
+            && let Err(e) = unwarn_pod(&pod, "its pool was deleted", ctx).await
+        {
+            warn!(pod = %pod_key(&pod), error = %e, "removing the idle warning failed");
+        }
+    }
+}
+
+/// The outcome of one attempt, as history records it.
+struct Outcome {
+    result: &'static str,
+    message: String,
+}
+
+/// Carries out (or, in dry run, checks) an action. Returns whether the pod is gone or its
+/// warning is settled.
+async fn act(
+    pool: &GpuPool,
+    pod: &Pod,
+    kind: &ActionKind,
+    status: &mut ReclaimStatus,
+    ctx: &Context,
+    now: Timestamp,
+) -> Result<bool> {
+    let dry = pool.spec.reclaim.mode == ReclaimMode::DryRun;
+    let key = pod_key(pod);
+    let ns = pod.namespace().unwrap_or_default();
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    if matches!(kind, ActionKind::Evict)
+        && !dry
+        && let Ok(retry) = ctx.evict_retry.lock()
+        && retry.get(&key).is_some_and(|(_, next)| *next > now)
+    {
+        return Ok(false);
+    }
+    let owner = match kind {
+        ActionKind::Suspend { job } => Some(format!("Job/{job}")),
+        _ => None,
+    };
+    let outcome = match kind {
+        ActionKind::Suspend { job } => {
+            let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
+            let current = jobs
+                .get_opt(job)
+                .await
+                .map_err(Error::kube(format!("reading Job {ns}/{job}")))?;
+            match current {
+                None => return Ok(false),
+                Some(j) if j.spec.as_ref().and_then(|s| s.suspend) == Some(true) => {
+                    // Already suspended (by us before a restart, or by its owner): nothing to do.
+                    return Ok(false);
+                }
+                Some(_) => {
+                    let pp = PatchParams {
+                        field_manager: Some(FIELD_MANAGER.into()),
+                        dry_run: dry,
+                        ..Default::default()
+                    };
+                    match jobs
+                        .patch(
+                            job,
+                            &pp,
+                            &Patch::Merge(&json!({ "spec": { "suspend": true } })),
+                        )
+                        .await
+                    {
+                        Ok(_) => {
+                            if !dry {
+                                ctx.metrics.write("Job", "patch");
+                            }
+                            Outcome {
+                                result: "Succeeded",
+                                message: format!("suspended Job {job}"),
+                            }
+                        }
+                        Err(e) => Outcome {
+                            result: "Failed",
+                            message: format!("suspending Job {job} failed: {e}"),
+                        },
+                    }
+                }
+            }
+        }
+        ActionKind::Evict => {
+            let ep = EvictParams {
+                delete_options: None,
+                post_options: PostParams {
+                    dry_run: dry,
+                    field_manager: None,
+                },
+            };
+            match pods.evict(&pod.name_any(), &ep).await {
+                Ok(_) => {
+                    if !dry {
+                        ctx.metrics.write("Pod", "evict");
+                    }
+                    Outcome {
+                        result: "Succeeded",
+                        message: "evicted".into(),
+                    }
+                }
+                Err(e) if api_code(&e) == Some(429) => Outcome {
+                    result: "BlockedByPDB",
+                    message: "a PodDisruptionBudget allows no disruption now; will retry".into(),
+                },
+                Err(e) if api_code(&e) == Some(500) => Outcome {
+                    result: "Failed",
+                    message: format!(
+                        "the eviction was refused with 500, usually because more than one PodDisruptionBudget selects the pod (misconfigured): {e}"
+                    ),
+                },
+                Err(e) if api_code(&e) == Some(404) => return Ok(true),
+                Err(e) => Outcome {
+                    result: "Failed",
+                    message: format!("eviction failed: {e}"),
+                },
+            }
+        }
+        ActionKind::Delete => {
+            let dp = DeleteParams {
+                dry_run: dry,
+                ..Default::default()
+            };
+            match pods.delete(&pod.name_any(), &dp).await {
+                Ok(_) => {
+                    if !dry {
+                        ctx.metrics.write("Pod", "delete");
+                    }
+                    Outcome {
+                        result: "Succeeded",
+                        message: "deleted".into(),
+                    }
+                }
+                Err(e) if api_code(&e) == Some(404) => return Ok(true),
+                Err(e) => Outcome {
+                    result: "Failed",
+                    message: format!("delete failed: {e}"),
+                },
+            }
+        }
+    };
+
+    let (action, result) = if dry {
+        (
+            format!("DryRun:{}", kind.name()),
+            match outcome.result {
+                "Succeeded" => "WouldSucceed",
+                "BlockedByPDB" => "WouldBeBlocked",
+                other => other,
+            },
+        )
+    } else {
+        (kind.name().to_owned(), outcome.result)
+    };
+    ctx.metrics.reclaim(&pool.name_any(), &action, result);
+
+    // A PDB block is retried with backoff; record it once per run of blocks, not per retry.
+    let repeated_block = result == "BlockedByPDB"
+        && status
+            .history
+            .iter()
+            .find(|r| r.pod == key)
+            .is_some_and(|r| r.result == "BlockedByPDB");
+    if result == "BlockedByPDB" {
+        if let Ok(mut retry) = ctx.evict_retry.lock() {
+            let n = retry.get(&key).map(|(n, _)| n + 1).unwrap_or(1);
+            let delay = capped_backoff(
+                n,
+                std::time::Duration::from_secs(10),
+                std::time::Duration::from_secs(600),
+            );
+            let next = now
+                .checked_add(k8s_openapi::jiff::SignedDuration::try_from(delay).unwrap_or_default())
+                .unwrap_or(now);
+            retry.insert(key.clone(), (n, next));
+        }
+    } else if let Ok(mut retry) = ctx.evict_retry.lock() {
+        retry.remove(&key);
+    }
+    if !repeated_block {
+        reclaim::record(
+            status,
+            reclaim::entry(pod, owner.clone(), &action, result, now),
+        );
+    }
+    if dry {
+        patch_annotations(pod, json!({ DRY_RUN_ANNOTATION: rfc3339(now) }), ctx).await?;
+    }
+    let warning = !matches!(result, "Succeeded" | "WouldSucceed");
+    info!(pod = %key, action = %action, result, message = %outcome.message, "reclaim action");
+    let note = format!(
+        "{action} → {result}: {}; the pod's GPUs had been idle past the pool's idleAfter (pool {})",
+        outcome.message,
+        pool.name_any()
+    );
+    if !repeated_block {
+        let ev = Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: if dry {
+                "ReclaimDryRun".into()
+            } else if warning {
+                "ReclaimBlocked".into()
+            } else {
+                "Reclaimed".into()
+            },
+            note: Some(note.clone()),
+            action: kind.name().into(),
+            secondary: Some(pool.object_ref(&())),
+        };
+        ctx.event(&pod.object_ref(&()), ev).await;
+        ctx.event(
+            &pool.object_ref(&()),
+            Event {
+                type_: if warning {
+                    EventType::Warning
+                } else {
+                    EventType::Normal
+                },
+                reason: "ReclaimAction".into(),
+                note: Some(format!("pod {key}: {note}")),
+                action: kind.name().into(),
+                secondary: None,
+            },
+        )
+        .await;
+    }
+    Ok(!dry && result == "Succeeded")
+}
