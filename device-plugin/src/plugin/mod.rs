@@ -8,6 +8,36 @@
 //! 2. [`HealthMonitor::run`] reads that channel and a channel of [`HealthEvent`]s and
 //!    publishes the advertisement with health applied on a second `watch` channel.
 //! 3. [`run_plugins`] serves the second channel to the kubelet until cancelled.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use gpupool_device_plugin::plugin::*;
+//! use tokio::sync::{mpsc, watch};
+//! use tokio_util::sync::CancellationToken;
+//!
+//! # async fn wire(gpus: Vec<GpuDescription>) -> Result<(), Box<dyn std::error::Error>> {
+//! let metrics = Arc::new(PluginMetrics::default());
+//! let cancel = CancellationToken::new();
+//! let layout = Advertisement {
+//!     resources: resource_sets(&gpus, MigStrategy::Mixed, CdiNaming::Uuid)?,
+//!     topology: Arc::new(Topology::new().with_link(0, 1, LinkKind::NvLink(12))),
+//! };
+//! let (layout_tx, layout_rx) = watch::channel(layout.clone());
+//! let (events_tx, events_rx) = mpsc::channel(256);
+//! let (health_tx, health_rx) = watch::channel(layout);
+//! let monitor = HealthMonitor::new(HealthPolicy::default(), metrics.clone());
+//! let monitor = tokio::spawn(monitor.run(layout_rx, events_rx, health_tx, cancel.clone()));
+//! let plugins = tokio::spawn(run_plugins(PluginConfig::default(), health_rx, metrics, cancel.clone()));
+//!
+//! // From the backend's health events:
+//! events_tx.send(HealthEvent { target: HealthTarget::Gpu(0), kind: HealthEventKind::Xid(79) }).await?;
+//! // After a MIG re-layout: layout_tx.send_replace(new_advertisement);
+//! # drop(layout_tx);
+//! cancel.cancel(); // on SIGTERM: servers stop, sockets are removed
+//! plugins.await??;
+//! monitor.await?;
+//! # Ok(()) }
+//! ```
 
 pub mod allocate;
 pub mod api;
