@@ -414,6 +414,39 @@ fn utilization_and_processes() {
     });
 }
 
+#[test]
+fn mig_utilization_from_gpm() {
+    conform("faults.yaml", |h| {
+        let b = h.backend();
+        let mut t = Vec::new();
+        h.set_time(5.0);
+        assert_eq!(b.set_mig_mode(1, true).unwrap(), MigModeChange::Applied);
+        let gi = b.create_gpu_instance(1, GiProfileId(9), Some(0)).unwrap();
+        assert_eq!(gi.id, GpuInstanceId(1));
+        b.create_compute_instance(1, gi.id, CiProfileId(catalog::nvml_ci_profile::SLICE_3))
+            .unwrap();
+        let first = b.mig_utilization(1, gi.id);
+        t.push(line("baseline", &first));
+        assert_eq!(first.unwrap(), None);
+        h.set_time(20.0);
+        let busy = b.mig_utilization(1, gi.id).unwrap().unwrap();
+        t.push(format!("5..20: {busy:?}"));
+        // Busy at 50 % SM / 20 % memory for 10 of the 15 seconds.
+        assert_eq!((busy.gpu_percent, busy.memory_percent), (33, 13));
+        h.set_time(25.0);
+        let idle = b.mig_utilization(1, gi.id).unwrap().unwrap();
+        assert_eq!((idle.gpu_percent, idle.memory_percent), (0, 0));
+        t.push(format!("20..25: {idle:?}"));
+        let missing = b.mig_utilization(1, GpuInstanceId(42));
+        t.push(line("missing GI", &missing));
+        assert_eq!(missing.unwrap_err().kind(), ErrorKind::NotFound);
+        let ada = b.mig_utilization(2, GpuInstanceId(1));
+        t.push(line("L4", &ada));
+        assert_eq!(ada.unwrap_err().kind(), ErrorKind::NotSupported);
+        t
+    });
+}
+
 /// Enable MIG on an H100, plan and create a layout, read it back, break some rules, tear down.
 fn mig_lifecycle(h: &dyn Harness) -> Vec<String> {
     let b = h.backend();
@@ -590,6 +623,9 @@ fn mig_on_a30_and_ampere_reset() {
         let migs = b.mig_devices(0).unwrap();
         t.push(format!("{migs:?}"));
         assert_eq!(migs.len(), 3);
+        let ampere = b.mig_utilization(0, migs[0].gpu_instance);
+        t.push(line("GPM on Ampere", &ampere));
+        assert_eq!(ampere.unwrap_err().kind(), ErrorKind::NotSupported);
         t
     });
     conform("a100-8x.yaml", |h| {

@@ -86,6 +86,9 @@ pub trait GpuBackend: Send + Sync {
     /// Utilization of a whole GPU. MIG-enabled GPUs answer [`Error::NotSupported`]; use
     /// [`GpuBackend::processes`] to see which MIG devices are busy.
     fn utilization(&self, gpu: u32) -> Result<Utilization>;
+    /// Utilization of one GPU instance since the previous call for it (GPM samples; Hopper and
+    /// newer). `None` on the first call, which only takes the baseline sample.
+    fn mig_utilization(&self, gpu: u32, gi: GpuInstanceId) -> Result<Option<Utilization>>;
     /// Compute processes on a GPU, with the MIG device each runs on, sorted by PID.
     fn processes(&self, gpu: u32) -> Result<Vec<ComputeProcess>>;
 }

@@ -323,12 +323,6 @@ not_supported!(
     nvmlDeviceGetVbiosVersion,
     nvmlDeviceGetBoardPartNumber,
     nvmlDeviceGetBrand,
-    nvmlGpmQueryDeviceSupport,
-    nvmlGpmSampleAlloc,
-    nvmlGpmSampleFree,
-    nvmlGpmSampleGet,
-    nvmlGpmMigSampleGet,
-    nvmlGpmMetricsGet,
     nvmlDeviceGetFieldValues,
     nvmlDeviceGetNvLinkState,
     nvmlDeviceGetMPSComputeRunningProcesses_v3,
@@ -1038,6 +1032,106 @@ export! {
         })
     }
 
+    // --- GPM (Hopper and newer) ---
+
+    fn nvmlGpmQueryDeviceSupport(device: nvmlDevice_t, support: *mut sys::nvmlGpmSupport_t) {
+        let c = ctx()?;
+        let g = gpu_of(&c, device)?;
+        if support.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null pointer to the caller's versioned struct.
+        if unsafe { (*support).version } != sys::NVML_GPM_SUPPORT_VERSION {
+            return Err(ARGUMENT_VERSION_MISMATCH);
+        }
+        let supported = c.node.gpus[g as usize].model.architecture >= model::arch::HOPPER;
+        out(support, sys::nvmlGpmSupport_t {
+            version: sys::NVML_GPM_SUPPORT_VERSION,
+            isSupportedDevice: c_uint::from(supported),
+        })
+    }
+
+    fn nvmlGpmSampleAlloc(sample: *mut sys::nvmlGpmSample_t) {
+        ctx()?;
+        let ptr = Box::into_raw(Box::new(Mutex::new(None::<GpmSample>)));
+        live_samples().insert(ptr as usize);
+        out(sample, ptr.cast())
+    }
+
+    fn nvmlGpmSampleFree(sample: sys::nvmlGpmSample_t) {
+        if !live_samples().remove(&(sample as usize)) {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: allocated by nvmlGpmSampleAlloc as this type and still live.
+        drop(unsafe { Box::from_raw(sample.cast::<Mutex<Option<GpmSample>>>()) });
+        Ok(())
+    }
+
+    fn nvmlGpmSampleGet(device: nvmlDevice_t, sample: sys::nvmlGpmSample_t) {
+        let c = ctx()?;
+        let gpu = gpu_of(&c, device)?;
+        let (state, now) = c.read()?;
+        sim(state.check_alive(&c.node, gpu, now))?;
+        with_sample(sample, |s| {
+            *s = Some(GpmSample { gpu, gi: None, at: now });
+            Ok(())
+        })
+    }
+
+    fn nvmlGpmMigSampleGet(device: nvmlDevice_t, gi: c_uint, sample: sys::nvmlGpmSample_t) {
+        let c = ctx()?;
+        let gpu = gpu_of(&c, device)?;
+        if c.node.gpus[gpu as usize].model.architecture < model::arch::HOPPER {
+            return Err(NOT_SUPPORTED);
+        }
+        let (state, now) = c.read()?;
+        sim(state.gpu_instance(&c.node, gpu, gi, now))?;
+        with_sample(sample, |s| {
+            *s = Some(GpmSample { gpu, gi: Some(gi), at: now });
+            Ok(())
+        })
+    }
+
+    fn nvmlGpmMetricsGet(get: *mut sys::nvmlGpmMetricsGet_t) {
+        let c = ctx()?;
+        if get.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null pointer to the caller's struct, which we fill in place.
+        let get = unsafe { &mut *get };
+        if get.version != sys::NVML_GPM_METRICS_GET_VERSION {
+            return Err(ARGUMENT_VERSION_MISMATCH);
+        }
+        let first = with_sample(get.sample1, |s| Ok(*s))?.ok_or(INVALID_ARGUMENT)?;
+        let second = with_sample(get.sample2, |s| Ok(*s))?.ok_or(INVALID_ARGUMENT)?;
+        if (first.gpu, first.gi) != (second.gpu, second.gi) {
+            return Err(INVALID_ARGUMENT);
+        }
+        let (state, _) = c.read()?;
+        let (sm, mem) = match first.gi {
+            Some(gi) => sim(state.gpu_instance_utilization(&c.node, first.gpu, gi, first.at, second.at))?,
+            None => {
+                let (g, m) = sim(state.utilization(&c.node, first.gpu, second.at))?;
+                (f64::from(g), f64::from(m))
+            }
+        };
+        let n = (get.numMetrics as usize).min(get.metrics.len());
+        for m in &mut get.metrics[..n] {
+            match m.metricId {
+                sys::nvmlGpmMetricId_t_NVML_GPM_METRIC_SM_UTIL => {
+                    m.value = sm;
+                    m.nvmlReturn = SUCCESS;
+                }
+                sys::nvmlGpmMetricId_t_NVML_GPM_METRIC_DRAM_BW_UTIL => {
+                    m.value = mem;
+                    m.nvmlReturn = SUCCESS;
+                }
+                _ => m.nvmlReturn = NOT_SUPPORTED,
+            }
+        }
+        Ok(())
+    }
+
     fn nvmlComputeInstanceDestroy(ci: nvmlComputeInstance_t) {
         let c = ctx()?;
         let (g, gi, id) = ci_of(ci)?;
@@ -1148,4 +1242,37 @@ fn with_set<T>(set: nvmlEventSet_t, f: impl FnOnce(&EventSet) -> R<T>) -> R<T> {
     // hold so it cannot be freed meanwhile).
     let s = unsafe { &*set.cast::<EventSet>() };
     f(s)
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPM samples
+// ---------------------------------------------------------------------------------------------
+
+/// What a GPM sample recorded: whose counters, and when (simulated seconds).
+#[derive(Debug, Clone, Copy)]
+struct GpmSample {
+    gpu: u32,
+    gi: Option<u32>,
+    at: f64,
+}
+
+static LIVE_SAMPLES: Mutex<BTreeSet<usize>> = Mutex::new(BTreeSet::new());
+
+fn live_samples() -> MutexGuard<'static, BTreeSet<usize>> {
+    LIVE_SAMPLES.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn with_sample<T>(
+    sample: sys::nvmlGpmSample_t,
+    f: impl FnOnce(&mut Option<GpmSample>) -> R<T>,
+) -> R<T> {
+    let live = live_samples();
+    if !live.contains(&(sample as usize)) {
+        return Err(INVALID_ARGUMENT);
+    }
+    // SAFETY: a live Box<Mutex<Option<GpmSample>>> from nvmlGpmSampleAlloc; the registry lock
+    // we hold keeps it from being freed meanwhile.
+    let cell = unsafe { &*sample.cast::<Mutex<Option<GpmSample>>>() };
+    let mut guard = cell.lock().unwrap_or_else(|p| p.into_inner());
+    f(&mut guard)
 }

@@ -5,8 +5,10 @@
 
 pub mod raw;
 
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use nvml_wrapper::enum_wrappers::device::{
@@ -50,6 +52,20 @@ impl NvmlOptions {
 /// The NVIDIA driver, through NVML.
 pub struct NvmlBackend {
     nvml: Nvml,
+    /// Previous GPM sample per (GPU, GPU instance), as the address NVML gave it (a raw
+    /// pointer is not `Send`); freed when replaced and on drop.
+    gpm_baselines: Mutex<HashMap<(u32, u32), usize>>,
+}
+
+impl Drop for NvmlBackend {
+    fn drop(&mut self) {
+        let samples =
+            std::mem::take(&mut *self.gpm_baselines.lock().unwrap_or_else(|p| p.into_inner()));
+        for (_, sample) in samples {
+            // Nothing useful to do on failure while shutting down.
+            let _ = self.raw().gpm_sample_free(sample as sys::nvmlGpmSample_t);
+        }
+    }
 }
 
 impl std::fmt::Debug for NvmlBackend {
@@ -102,7 +118,10 @@ impl NvmlBackend {
             },
             other => wrapper_error("initializing NVML", "the driver", other),
         })?;
-        Ok(NvmlBackend { nvml })
+        Ok(NvmlBackend {
+            nvml,
+            gpm_baselines: Mutex::new(HashMap::new()),
+        })
     }
 
     fn raw(&self) -> Raw<'_> {
@@ -855,6 +874,46 @@ impl GpuBackend for NvmlBackend {
             gpu_percent: u.gpu,
             memory_percent: u.memory,
         })
+    }
+
+    fn mig_utilization(&self, gpu: u32, gi: GpuInstanceId) -> Result<Option<Utilization>> {
+        let op = "reading GPU instance utilization";
+        let target = || format!("GPU {gpu} GPU instance {gi}");
+        let h = self.handle(op, gpu)?;
+        let raw = self.raw();
+        match raw.gpm_supported(h) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(Error::new(
+                    ErrorKind::NotSupported,
+                    op,
+                    target(),
+                    "GPM needs Hopper or newer".to_owned(),
+                ));
+            }
+            Err(e) => return Err(self.raw_error(op, target(), e)),
+        }
+        let sample = raw
+            .gpm_mig_sample(h, gi.0)
+            .map_err(|e| self.raw_error(op, target(), e))?;
+        let previous = self
+            .gpm_baselines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((gpu, gi.0), sample as usize);
+        let Some(previous) = previous else {
+            return Ok(None);
+        };
+        let previous = previous as sys::nvmlGpmSample_t;
+        let result = raw.gpm_utilization(previous, sample);
+        if let Err(e) = raw.gpm_sample_free(previous) {
+            tracing::warn!(error = ?e, "freeing a GPM sample");
+        }
+        let (sm, dram) = result.map_err(|e| self.raw_error(op, target(), e))?;
+        Ok(Some(Utilization {
+            gpu_percent: sm.round().clamp(0.0, 100.0) as u32,
+            memory_percent: dram.round().clamp(0.0, 100.0) as u32,
+        }))
     }
 
     fn processes(&self, gpu: u32) -> Result<Vec<ComputeProcess>> {

@@ -580,4 +580,62 @@ impl<'a> Raw<'a> {
         // SAFETY: set from this library, freed once (the caller owns it).
         check("nvmlEventSetFree", unsafe { f(set) })
     }
+
+    /// `nvmlGpmQueryDeviceSupport`: whether the GPU offers GPM metrics (Hopper and newer).
+    pub fn gpm_supported(&self, dev: nvmlDevice_t) -> RawResult<bool> {
+        let f = sym!(self.lib, nvmlGpmQueryDeviceSupport);
+        let mut support = sys::nvmlGpmSupport_t {
+            version: sys::NVML_GPM_SUPPORT_VERSION,
+            isSupportedDevice: 0,
+        };
+        // SAFETY: valid pointer to a versioned struct.
+        check("nvmlGpmQueryDeviceSupport", unsafe { f(dev, &mut support) })?;
+        Ok(support.isSupportedDevice != 0)
+    }
+
+    /// `nvmlGpmSampleAlloc` + `nvmlGpmMigSampleGet`: a GPM sample of one GPU instance. The
+    /// caller frees it with [`Raw::gpm_sample_free`].
+    pub fn gpm_mig_sample(&self, dev: nvmlDevice_t, gi: u32) -> RawResult<sys::nvmlGpmSample_t> {
+        let alloc = sym!(self.lib, nvmlGpmSampleAlloc);
+        let get = sym!(self.lib, nvmlGpmMigSampleGet);
+        let mut sample: sys::nvmlGpmSample_t = ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("nvmlGpmSampleAlloc", unsafe { alloc(&mut sample) })?;
+        // SAFETY: sample allocated by this library just above.
+        if let Err(e) = check("nvmlGpmMigSampleGet", unsafe { get(dev, gi, sample) }) {
+            let _ = self.gpm_sample_free(sample);
+            return Err(e);
+        }
+        Ok(sample)
+    }
+
+    /// `nvmlGpmSampleFree`
+    pub fn gpm_sample_free(&self, sample: sys::nvmlGpmSample_t) -> RawResult<()> {
+        let f = sym!(self.lib, nvmlGpmSampleFree);
+        // SAFETY: sample from nvmlGpmSampleAlloc, freed once by its owner.
+        check("nvmlGpmSampleFree", unsafe { f(sample) })
+    }
+
+    /// `nvmlGpmMetricsGet` for SM and DRAM-bandwidth utilization (percent) between two samples.
+    pub fn gpm_utilization(
+        &self,
+        first: sys::nvmlGpmSample_t,
+        second: sys::nvmlGpmSample_t,
+    ) -> RawResult<(f64, f64)> {
+        let f = sym!(self.lib, nvmlGpmMetricsGet);
+        // SAFETY: plain-data struct (null pointers and zeros are valid).
+        let mut get: sys::nvmlGpmMetricsGet_t = unsafe { std::mem::zeroed() };
+        get.version = sys::NVML_GPM_METRICS_GET_VERSION;
+        get.numMetrics = 2;
+        get.sample1 = first;
+        get.sample2 = second;
+        get.metrics[0].metricId = sys::nvmlGpmMetricId_t_NVML_GPM_METRIC_SM_UTIL;
+        get.metrics[1].metricId = sys::nvmlGpmMetricId_t_NVML_GPM_METRIC_DRAM_BW_UTIL;
+        // SAFETY: valid pointer; NVML writes only the first `numMetrics` entries.
+        check("nvmlGpmMetricsGet", unsafe { f(&mut get) })?;
+        for m in &get.metrics[..2] {
+            check("nvmlGpmMetricsGet", m.nvmlReturn)?;
+        }
+        Ok((get.metrics[0].value, get.metrics[1].value))
+    }
 }

@@ -130,6 +130,8 @@ impl Fault {
 struct Shared {
     node: Node,
     state: Mutex<SimState>,
+    /// Time of the previous `mig_utilization` sample per (GPU, GPU instance).
+    gpm_baselines: Mutex<std::collections::BTreeMap<(u32, u32), f64>>,
     changed: Condvar,
     clock: Arc<dyn Clock>,
 }
@@ -188,6 +190,7 @@ impl SimBackend {
             shared: Arc::new(Shared {
                 node,
                 state: Mutex::new(state),
+                gpm_baselines: Mutex::new(std::collections::BTreeMap::new()),
                 changed: Condvar::new(),
                 clock,
             }),
@@ -598,6 +601,33 @@ impl GpuBackend for SimBackend {
                 gpu_percent,
                 memory_percent,
             })
+        })
+    }
+
+    fn mig_utilization(&self, gpu: u32, gi: GpuInstanceId) -> Result<Option<Utilization>> {
+        let target = format!("GPU {gpu} GPU instance {gi}");
+        self.read("reading GPU instance utilization", target, |s, n, now| {
+            if n.gpu(gpu)?.model.architecture < model::arch::HOPPER {
+                return Err(SimError::NotSupported(
+                    "GPM needs Hopper or newer".to_owned(),
+                ));
+            }
+            // Validates the instance before touching the baseline.
+            s.gpu_instance_utilization(n, gpu, gi.0, now, now)?;
+            let previous = self
+                .shared
+                .gpm_baselines
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert((gpu, gi.0), now);
+            let Some(from) = previous else {
+                return Ok(None);
+            };
+            let (sm, mem) = s.gpu_instance_utilization(n, gpu, gi.0, from, now)?;
+            Ok(Some(Utilization {
+                gpu_percent: sm.round() as u32,
+                memory_percent: mem.round() as u32,
+            }))
         })
     }
 

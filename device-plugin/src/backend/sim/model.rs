@@ -145,6 +145,9 @@ pub enum FaultKind {
 pub struct UtilizationFixture {
     /// GPU index.
     pub gpu: u32,
+    /// When set, the trace is of this GPU instance (MIG), reported through GPM.
+    #[serde(default)]
+    pub gpu_instance: Option<u32>,
     /// Busy periods; outside them the GPU is idle (0 %).
     #[serde(default)]
     pub busy: Vec<BusyPeriod>,
@@ -969,11 +972,45 @@ impl SimState {
             .fixture
             .utilization
             .iter()
-            .filter(|u| u.gpu == gpu)
+            .filter(|u| u.gpu == gpu && u.gpu_instance.is_none())
             .flat_map(|u| &u.busy)
             .find(|p| p.from <= now && p.to.is_none_or(|to| now < to))
             .map(|p| (p.gpu.min(100), p.memory.min(100)))
             .unwrap_or((0, 0)))
+    }
+
+    /// Mean utilization (SM %, memory %) of a GPU instance over `[from, to]`, as GPM reports
+    /// it between two samples; the value at `to` when the interval is empty.
+    pub fn gpu_instance_utilization(
+        &self,
+        node: &Node,
+        gpu: u32,
+        gi: u32,
+        from: f64,
+        to: f64,
+    ) -> SimResult<(f64, f64)> {
+        self.gpu_instance(node, gpu, gi, to)?;
+        let periods: Vec<&BusyPeriod> = node
+            .fixture
+            .utilization
+            .iter()
+            .filter(|u| u.gpu == gpu && u.gpu_instance == Some(gi))
+            .flat_map(|u| &u.busy)
+            .collect();
+        if to <= from {
+            return Ok(periods
+                .iter()
+                .find(|p| p.from <= to && p.to.is_none_or(|end| to < end))
+                .map(|p| (f64::from(p.gpu.min(100)), f64::from(p.memory.min(100))))
+                .unwrap_or((0.0, 0.0)));
+        }
+        let (mut sm, mut mem) = (0.0, 0.0);
+        for p in periods {
+            let overlap = (p.to.unwrap_or(f64::INFINITY).min(to) - p.from.max(from)).max(0.0);
+            sm += overlap * f64::from(p.gpu.min(100));
+            mem += overlap * f64::from(p.memory.min(100));
+        }
+        Ok((sm / (to - from), mem / (to - from)))
     }
 
     /// Compute processes at `now`. Processes attributed to a MIG device show only while that
