@@ -10,6 +10,7 @@
 #   build.sh kubectl etcd         build (or reuse) only these
 #   build.sh --print-bin-dir      print the bin dir for the current pins and exit
 #   build.sh --list               print the component names and exit
+#   build.sh --prune              remove binaries and logs built for other pins
 #
 # Environment:
 #   GPUPOOL_CACHE_DIR   cache root (default ~/.cache/gpupool)
@@ -227,6 +228,22 @@ build_one() {
     printf '%s\t%s\t%s\n' "$comp" "$((end - start))" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >>"$LOG_DIR/times.tsv"
 }
 
+# Old pins' binaries are ~0.5 GiB a set; nothing removes them otherwise. A set
+# that a running process was started from (a cluster someone still uses) stays.
+prune() {
+    local d name
+    for d in "$CACHE_DIR"/bin/*; do
+        name=$(basename "$d")
+        [[ -d $d && $name != "$(basename "$BIN_DIR")" ]] || continue
+        if grep -qsaF -- "$d/" /proc/[0-9]*/cmdline; then
+            echo "build.sh: keeping $d (in use by a running process)"
+            continue
+        fi
+        echo "build.sh: removing $d and its logs"
+        rm -rf -- "$d" "$CACHE_DIR/logs/$name"
+    done
+}
+
 main() {
     local wanted=()
     while (($#)); do
@@ -237,6 +254,10 @@ main() {
                 ;;
             --list)
                 printf '%s\n' "${COMPONENTS[@]}"
+                return 0
+                ;;
+            --prune)
+                prune
                 return 0
                 ;;
             -h | --help)
@@ -288,4 +309,6 @@ main() {
     echo "build.sh: done in $(($(date +%s) - total_start))s; binaries in $BIN_DIR"
 }
 
-main "$@"
+# On one line: bash has read it whole before main runs, so editing this file
+# while it runs cannot make bash execute half-read text after main returns.
+main "$@"; exit
