@@ -29,13 +29,16 @@ use super::{
 use gpupool_crds::catalog;
 use raw::{Raw, RawError};
 
+/// Library names tried in order when none is configured.
+pub const DEFAULT_LIBRARIES: &[&str] = &["libnvidia-ml.so.1", "libnvidia-ml.so"];
+
 /// Environment variable naming the NVML library to load (a path or a file name).
 pub const NVML_LIBRARY_ENV: &str = "GPUPOOL_NVML_LIBRARY";
 
 /// How to load NVML.
 #[derive(Debug, Clone, Default)]
 pub struct NvmlOptions {
-    /// Library path or name; `libnvidia-ml.so` (the driver's symlink) when unset. The agent's
+    /// Library path or name; [`DEFAULT_LIBRARIES`] when unset. The agent's
     /// `--nvml-library` flag and `GPUPOOL_NVML_LIBRARY` set it.
     pub library: Option<PathBuf>,
 }
@@ -99,28 +102,35 @@ fn wrapper_error(op: &'static str, target: impl Into<String>, e: NvmlError) -> E
 }
 
 impl NvmlBackend {
-    /// Loads NVML and initializes it.
+    /// Loads NVML and initializes it: the configured library, or else `libnvidia-ml.so.1` (the
+    /// name the driver installs and container runtimes inject) and then `libnvidia-ml.so` (the
+    /// development symlink nvml-wrapper defaults to).
     pub fn new(options: &NvmlOptions) -> Result<NvmlBackend> {
-        let mut builder = Nvml::builder();
-        if let Some(path) = &options.library {
-            builder.lib_path(OsStr::new(path.as_os_str()));
+        let candidates: Vec<PathBuf> = match &options.library {
+            Some(path) => vec![path.clone()],
+            None => DEFAULT_LIBRARIES.iter().map(PathBuf::from).collect(),
+        };
+        let mut failures = Vec::new();
+        for library in &candidates {
+            match Nvml::builder()
+                .lib_path(OsStr::new(library.as_os_str()))
+                .init()
+            {
+                Ok(nvml) => {
+                    return Ok(NvmlBackend {
+                        nvml,
+                        gpm_baselines: Mutex::new(HashMap::new()),
+                    });
+                }
+                // Not loadable under this name: try the next.
+                Err(NvmlError::LibloadingError(e)) => {
+                    failures.push(format!("loading {}: {e}", library.display()));
+                }
+                Err(other) => return Err(wrapper_error("initializing NVML", "the driver", other)),
+            }
         }
-        let nvml = builder.init().map_err(|e| match e {
-            NvmlError::LibloadingError(e) => Error::DriverNotLoaded {
-                detail: format!(
-                    "loading {}: {e}",
-                    options
-                        .library
-                        .as_deref()
-                        .map(|p| p.display().to_string())
-                        .unwrap_or_else(|| "libnvidia-ml.so".to_owned())
-                ),
-            },
-            other => wrapper_error("initializing NVML", "the driver", other),
-        })?;
-        Ok(NvmlBackend {
-            nvml,
-            gpm_baselines: Mutex::new(HashMap::new()),
+        Err(Error::DriverNotLoaded {
+            detail: failures.join("; "),
         })
     }
 
@@ -321,11 +331,19 @@ impl NvmlEvents<'_> {
         };
         let raw = self.backend.raw();
         let op = "reading a health event";
+        // Events name the physical GPU; should a driver hand out a MIG device handle, map it
+        // to its parent.
+        let device = match raw.index(e.device) {
+            Ok(_) => e.device,
+            Err(_) => raw
+                .parent_of_mig_device(e.device)
+                .map_err(|err| self.backend.raw_error(op, "event device", err))?,
+        };
         let gpu = raw
-            .index(e.device)
+            .index(device)
             .map_err(|err| self.backend.raw_error(op, "event device", err))?;
         let uuid = raw
-            .uuid(e.device)
+            .uuid(device)
             .map_err(|err| self.backend.raw_error(op, gpu_target(gpu), err))?
             .parse()?;
         Ok(Some(HealthEvent {
@@ -434,18 +452,20 @@ impl GpuBackend for NvmlBackend {
         let op = "reading topology";
         let target = || format!("GPUs {a} and {b}");
         let (da, db) = (self.dev(op, a)?, self.dev(op, b)?);
+        if a == b {
+            return Ok(Topology {
+                nvlink: false,
+                pcie: PcieLink::SameBoard,
+            });
+        }
         let level = da
             .topology_common_ancestor(db)
             .map_err(|e| wrapper_error(op, target(), e))?;
-        let nvlink = if a == b {
-            false
-        } else {
-            let (ha, hb) = (self.handle(op, a)?, self.handle(op, b)?);
-            match self.raw().nvlink_p2p(ha, hb) {
-                Ok(ok) => ok,
-                Err(e) if e.is_not_supported() => false,
-                Err(e) => return Err(self.raw_error(op, target(), e)),
-            }
+        let (ha, hb) = (self.handle(op, a)?, self.handle(op, b)?);
+        let nvlink = match self.raw().nvlink_p2p(ha, hb) {
+            Ok(ok) => ok,
+            Err(e) if e.is_not_supported() => false,
+            Err(e) => return Err(self.raw_error(op, target(), e)),
         };
         Ok(Topology {
             nvlink,

@@ -518,6 +518,17 @@ impl<'a> Raw<'a> {
         Ok((gi, ci))
     }
 
+    /// `nvmlDeviceGetDeviceHandleFromMigDeviceHandle`
+    pub fn parent_of_mig_device(&self, mig: nvmlDevice_t) -> RawResult<nvmlDevice_t> {
+        let f = sym!(self.lib, nvmlDeviceGetDeviceHandleFromMigDeviceHandle);
+        let mut parent: nvmlDevice_t = ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", unsafe {
+            f(mig, &mut parent)
+        })?;
+        Ok(parent)
+    }
+
     /// `nvmlDeviceGetSupportedEventTypes`
     pub fn supported_event_types(&self, dev: nvmlDevice_t) -> RawResult<u64> {
         let f = sym!(self.lib, nvmlDeviceGetSupportedEventTypes);

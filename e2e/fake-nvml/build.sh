@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds the fake NVML library and links it under the driver's name. Prints the path to load:
+#   GPUPOOL_NVML_LIBRARY=$(e2e/fake-nvml/build.sh) GPUPOOL_FAKE_NVML_FIXTURE=device-plugin/fixtures/h100-8x.yaml ...
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+target=${CARGO_TARGET_DIR:-$root/target}
+profile=${1:-debug}
+args=(build --quiet -p gpupool-fake-nvml --manifest-path "$root/Cargo.toml")
+[ "$profile" = release ] && args+=(--release)
+cargo "${args[@]}"
+dir=$target/$profile
+ln -sf libnvidia_ml.so "$dir/libnvidia-ml.so.1"
+echo "$dir/libnvidia-ml.so.1"
