@@ -439,6 +439,10 @@ struct LoopState {
     status_writes: u64,
     cdi_writes: u64,
     recorder: Recorder,
+    /// Earliest time for the next MIG operation (`--mig-step-delay-ms`).
+    mig_next_op: Instant,
+    /// The spec generation the checks were last run for.
+    validated_generation: Option<i64>,
 }
 
 impl LoopState {
@@ -465,6 +469,8 @@ impl LoopState {
             mig_parents: Arc::default(),
             status_writes: 0,
             cdi_writes: 0,
+            mig_next_op: now,
+            validated_generation: None,
             recorder: Recorder::new(
                 agent.client.clone(),
                 Reporter {
@@ -539,6 +545,12 @@ impl LoopState {
                             .await;
                     }
                     Step::Execute(op) => {
+                        let now = Instant::now();
+                        if now < self.mig_next_op {
+                            mig_wake = Some(self.mig_next_op);
+                            break;
+                        }
+                        self.mig_next_op = now + agent.config.mig_step_delay;
                         tracing::info!(%op, "MIG");
                         let op2 = op.clone();
                         let result = blocking(backend, move |b| mig::apply_op(b, &op2)).await;
@@ -555,10 +567,6 @@ impl LoopState {
                             Some(Ok(_)) => {}
                         }
                         inventory = self.read_inventory(agent).await;
-                        if !agent.config.mig_step_delay.is_zero() {
-                            mig_wake = Some(Instant::now() + agent.config.mig_step_delay);
-                            break;
-                        }
                     }
                 }
             }
@@ -610,6 +618,11 @@ impl LoopState {
         }
 
         let now = Instant::now();
+        if generation != self.validated_generation {
+            // A new spec may change the requirements: check at once.
+            self.validated_generation = generation;
+            self.next_validate = now;
+        }
         if now >= self.next_validate {
             self.validate(agent, gpunode).await;
             self.next_validate = now + agent.config.validate_interval;

@@ -1,0 +1,877 @@
+//! The node agent (`gpupool-device-plugin`) against the real control plane: one agent process
+//! per kwok GPU node, each with its own fixture, kubelet directory, CDI directory and fake
+//! driver root; GpuNode objects are created by the tests (no operator runs here).
+//!
+//! - validation passes on a good node and fails with the CUDA message and an Event on an old
+//!   driver (then passes once the pool's requirement is lowered);
+//! - the CDI spec is written, well-formed, and rewritten only when its content changes;
+//! - a MIG layout walks Draining → Applying → Applied and the plugin serves the new resource;
+//!   `kill -9` mid-Applying and a restart still end Applied with the right instances (NVML
+//!   backend on the fake libnvidia-ml, whose state file stands in for the hardware);
+//! - idleness: `idleSince` is set when the fixture's GPU goes idle and cleared when it is busy;
+//! - a steady node costs no status writes (resourceVersion unchanged over 20 s).
+//!
+//! The agent binary and the fake NVML library are built with cargo on first use and copied to
+//! a private directory (the shared target directory may be rebuilt by others meanwhile);
+//! `GPUPOOL_AGENT_BIN` / `GPUPOOL_FAKE_NVML_LIB` point at prebuilt ones instead.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context, Result, ensure};
+use gpupool_crds::node::{GpuMigSpec, GpuNodeStatus, MigState, NodeMigSpec, UtilizationSpec};
+use gpupool_crds::policy::{CdiDeviceNameStrategy, DriverPolicy, MigStrategy};
+use gpupool_crds::{GpuNode, GpuNodeSpec};
+use gpupool_e2e::wait::poll;
+use gpupool_e2e::{Cluster, FAKE_NODE_LABEL, TestScope, crds, repo_root};
+use k8s_openapi::api::core::v1::{Event, Node};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+
+const DRIVER: &str = "550.54.15";
+
+struct Binaries {
+    agent: PathBuf,
+    nvml: PathBuf,
+}
+
+static BINARIES: OnceLock<Result<Binaries, String>> = OnceLock::new();
+
+fn target_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        return PathBuf::from(dir);
+    }
+    // <target>/debug/deps/agent-<hash>
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent()?.parent()?.parent().map(Path::to_path_buf))
+        .unwrap_or_else(|| repo_root().join("target"))
+}
+
+fn build_binaries() -> Result<Binaries> {
+    let private = repo_root().join(format!("target/e2e-agent-bin/{}", std::process::id()));
+    fs::create_dir_all(&private)?;
+    let from_env = |var: &str| std::env::var_os(var).map(PathBuf::from);
+    let (agent, nvml) = match (
+        from_env("GPUPOOL_AGENT_BIN"),
+        from_env("GPUPOOL_FAKE_NVML_LIB"),
+    ) {
+        (Some(a), Some(n)) => (a, n),
+        _ => {
+            let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+                .current_dir(repo_root())
+                .args([
+                    "build",
+                    "-p",
+                    "gpupool-device-plugin",
+                    "--bin",
+                    "gpupool-device-plugin",
+                    "-p",
+                    "gpupool-fake-nvml",
+                ])
+                .env("CARGO_TARGET_DIR", target_dir())
+                .stdin(Stdio::null())
+                .status()
+                .context("running cargo build for the agent")?;
+            ensure!(
+                status.success(),
+                "cargo build of the agent failed ({status})"
+            );
+            let debug = target_dir().join("debug");
+            (
+                debug.join("gpupool-device-plugin"),
+                debug.join("libnvidia_ml.so"),
+            )
+        }
+    };
+    let agent_copy = private.join("gpupool-device-plugin");
+    let nvml_copy = private.join("libnvidia-ml.so.1");
+    fs::copy(&agent, &agent_copy).with_context(|| format!("copying {}", agent.display()))?;
+    fs::copy(&nvml, &nvml_copy).with_context(|| format!("copying {}", nvml.display()))?;
+    fs::set_permissions(&agent_copy, fs::Permissions::from_mode(0o755))?;
+    Ok(Binaries {
+        agent: agent_copy,
+        nvml: nvml_copy,
+    })
+}
+
+fn binaries() -> Result<&'static Binaries> {
+    BINARIES
+        .get_or_init(|| build_binaries().map_err(|e| format!("{e:#}")))
+        .as_ref()
+        .map_err(|e| anyhow::anyhow!("agent binaries: {e}"))
+}
+
+/// The `i`-th kwok GPU node's name.
+async fn kwok_node(client: &Client, i: usize) -> Result<String> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let mut names: Vec<String> = nodes
+        .list(&ListParams::default().labels(FAKE_NODE_LABEL))
+        .await?
+        .items
+        .iter()
+        .map(ResourceExt::name_any)
+        .collect();
+    names.sort();
+    names.get(i).cloned().with_context(|| {
+        format!(
+            "the agent tests need 3 fake GPU nodes; the cluster has {}",
+            names.len()
+        )
+    })
+}
+
+/// One node's host: fixture, kubelet dir, CDI dir, fake driver root.
+struct NodeHost {
+    node: String,
+    dir: PathBuf,
+    fixture: PathBuf,
+    kubelet: PathBuf,
+    cdi: PathBuf,
+    driver_root: PathBuf,
+}
+
+impl NodeHost {
+    fn new(scope: &TestScope, node: &str, fixture_yaml: &str, gpus: u32) -> Result<NodeHost> {
+        let dir = repo_root().join("target/e2e-agent").join(scope.prefix());
+        let _ = fs::remove_dir_all(&dir);
+        let host = NodeHost {
+            node: node.to_owned(),
+            fixture: dir.join("fixture.yaml"),
+            kubelet: dir.join("kubelet"),
+            cdi: dir.join("cdi"),
+            driver_root: dir.join("driver"),
+            dir,
+        };
+        fs::create_dir_all(host.kubelet.join("device-plugins"))?;
+        fs::write(&host.fixture, fixture_yaml)?;
+        fake_driver_root(&host.driver_root, DRIVER, gpus)?;
+        Ok(host)
+    }
+
+    fn spec_file(&self) -> PathBuf {
+        self.cdi.join("gpupool-nvidia.yaml")
+    }
+
+    fn socket(&self, resource: &str) -> PathBuf {
+        self.kubelet
+            .join("device-plugins")
+            .join(format!("gpupool-{}.sock", resource.replace('/', "-")))
+    }
+}
+
+/// A driver root as a driver installs it, with device nodes as plain files.
+fn fake_driver_root(root: &Path, version: &str, gpus: u32) -> Result<()> {
+    let write = |rel: &str, content: &str| -> Result<()> {
+        let path = root.join(rel);
+        fs::create_dir_all(path.parent().context("no parent")?)?;
+        fs::write(path, content)?;
+        Ok(())
+    };
+    for n in [
+        "nvidiactl",
+        "nvidia-uvm",
+        "nvidia-uvm-tools",
+        "nvidia-modeset",
+    ] {
+        write(&format!("dev/{n}"), "")?;
+    }
+    let mut minors = String::from("config 1\nmonitor 2\n");
+    let mut next = 3;
+    for gpu in 0..gpus {
+        write(&format!("dev/nvidia{gpu}"), "")?;
+        for gi in 0..15 {
+            minors.push_str(&format!("gpu{gpu}/gi{gi}/access {next}\n"));
+            write(&format!("dev/nvidia-caps/nvidia-cap{next}"), "")?;
+            next += 1;
+            for ci in 0..8 {
+                minors.push_str(&format!("gpu{gpu}/gi{gi}/ci{ci}/access {next}\n"));
+                write(&format!("dev/nvidia-caps/nvidia-cap{next}"), "")?;
+                next += 1;
+            }
+        }
+    }
+    write("proc/driver/nvidia-caps/mig-minors", &minors)?;
+    write(
+        "proc/driver/nvidia/version",
+        &format!("NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}\n"),
+    )?;
+    for lib in ["libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler"] {
+        write(&format!("usr/lib/x86_64-linux-gnu/{lib}.so.{version}"), "")?;
+    }
+    write("usr/bin/nvidia-smi", "")?;
+    Ok(())
+}
+
+/// A running agent; killed (SIGKILL) on drop.
+struct Agent {
+    child: Child,
+    log: PathBuf,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Sim,
+    /// NVML on the fake library.
+    Nvml,
+}
+
+impl Agent {
+    fn start(
+        cluster: &Cluster,
+        host: &NodeHost,
+        backend: Backend,
+        extra: &[&str],
+    ) -> Result<Agent> {
+        let bins = binaries()?;
+        let n = fs::read_dir(&host.dir)?.count();
+        let log = host.dir.join(format!("agent-{n}.log"));
+        let out = fs::File::create(&log)?;
+        let mut cmd = Command::new(&bins.agent);
+        cmd.arg("--node-name")
+            .arg(&host.node)
+            .arg("--kubelet-dir")
+            .arg(&host.kubelet)
+            .arg("--cdi-dir")
+            .arg(&host.cdi)
+            .arg("--driver-root")
+            .arg(&host.driver_root)
+            .arg("--proc-root")
+            .arg(host.driver_root.join("proc"))
+            .args([
+                "--metrics-addr",
+                "127.0.0.1:0",
+                "--validate-interval-secs",
+                "1",
+            ])
+            .args(extra)
+            .env("KUBECONFIG", cluster.kubeconfig())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out);
+        match backend {
+            Backend::Sim => {
+                cmd.args(["--backend", "sim", "--fixture"])
+                    .arg(&host.fixture);
+            }
+            Backend::Nvml => {
+                cmd.args(["--backend", "nvml", "--nvml-lib"])
+                    .arg(&bins.nvml)
+                    .env("GPUPOOL_FAKE_NVML_FIXTURE", &host.fixture)
+                    .env("GPUPOOL_FAKE_NVML_STATE", host.dir.join("nvml-state.json"));
+            }
+        }
+        let child = cmd.spawn().context("starting the agent")?;
+        Ok(Agent { child, log })
+    }
+
+    /// SIGTERM, then wait for it to exit.
+    async fn terminate(mut self) -> Result<()> {
+        let pid = self.child.id().to_string();
+        Command::new("kill").args(["-TERM", &pid]).status()?;
+        let child = &mut self.child;
+        poll(
+            "the agent to exit after SIGTERM",
+            Duration::from_secs(20),
+            Duration::from_millis(100),
+            || {
+                let exited = child.try_wait().map(|s| s.is_some());
+                async move { Ok(exited?.then_some(())) }
+            },
+        )
+        .await
+    }
+
+    fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn fresh_gpunode(
+    client: &Client,
+    scope: &TestScope,
+    name: &str,
+    spec: GpuNodeSpec,
+) -> Result<GpuNode> {
+    let api: Api<GpuNode> = Api::all(client.clone());
+    if api.get_opt(name).await?.is_some() {
+        api.delete(name, &DeleteParams::default()).await?;
+        poll(
+            "the old GpuNode to go",
+            Duration::from_secs(30),
+            Duration::from_millis(200),
+            || {
+                let api = api.clone();
+                async move { Ok(api.get_opt(name).await?.is_none().then_some(())) }
+            },
+        )
+        .await?;
+    }
+    let mut gn = GpuNode::new(name, spec);
+    let (k, v) = scope.label();
+    gn.metadata.labels = Some(BTreeMap::from([(k.to_owned(), v.to_owned())]));
+    scope.track_kind("gpunodes.gpupool.io");
+    Ok(api.create(&PostParams::default(), &gn).await?)
+}
+
+fn base_spec(pool: &str) -> GpuNodeSpec {
+    GpuNodeSpec {
+        pool: pool.to_owned(),
+        driver: DriverPolicy {
+            min_version: Some("550".into()),
+            cuda_version: Some("12.4".into()),
+            ..DriverPolicy::default()
+        },
+        cdi: Default::default(),
+        mig: NodeMigSpec::default(),
+        utilization: UtilizationSpec {
+            idle_threshold: 5,
+            sample_interval: Duration::from_secs(1).into(),
+        },
+    }
+}
+
+/// Waits until the GpuNode's status satisfies `pred`.
+async fn wait_status(
+    client: &Client,
+    name: &str,
+    what: &str,
+    timeout: Duration,
+    pred: impl Fn(&GpuNodeStatus) -> bool,
+) -> Result<GpuNode> {
+    let api: Api<GpuNode> = Api::all(client.clone());
+    let pred = &pred;
+    poll(what, timeout, Duration::from_millis(250), || {
+        let api = api.clone();
+        async move {
+            let gn = api.get(name).await?;
+            Ok(gn.status.as_ref().is_some_and(pred).then_some(gn))
+        }
+    })
+    .await
+}
+
+async fn events_for(client: &Client, name: &str, reason: &str) -> Result<Vec<Event>> {
+    let events: Api<Event> = Api::namespaced(client.clone(), "default");
+    let list = events
+        .list(&ListParams::default().fields(&format!("involvedObject.name={name},reason={reason}")))
+        .await?;
+    Ok(list.items)
+}
+
+async fn wait_event(client: &Client, name: &str, reason: &str) -> Result<Event> {
+    poll(
+        &format!("a {reason} Event on {name}"),
+        Duration::from_secs(30),
+        Duration::from_millis(250),
+        || async move { Ok(events_for(client, name, reason).await?.into_iter().next()) },
+    )
+    .await
+}
+
+fn mtime(path: &Path) -> Result<SystemTime> {
+    Ok(fs::metadata(path)?.modified()?)
+}
+
+#[tokio::test]
+async fn agent_validates_writes_cdi_tracks_idleness_and_stays_quiet() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let client = cluster.client().await?;
+    let scope = TestScope::new(cluster, "agent-sim")?;
+    let node = kwok_node(&client, 0).await?;
+    // GPU 0 is busy for the first 8 s, idle, then busy again from 24 s; GPU 1 is idle.
+    let fixture = format!(
+        "node: {}\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\nutilization:\n  - gpu: 0\n    busy:\n      - {{from: 0, to: 8, gpu: 90}}\n      - {{from: 24, gpu: 90}}\n",
+        scope.prefix()
+    );
+    let host = NodeHost::new(&scope, &node, &fixture, 2)?;
+    // A label the agent does not own must survive its label writes.
+    cluster.kubectl().run([
+        "label",
+        "node",
+        &node,
+        "--overwrite",
+        "e2e.gpupool.io/other=keep",
+    ])?;
+    fresh_gpunode(&client, &scope, &node, base_spec(scope.prefix())).await?;
+    let agent = Agent::start(cluster, &host, Backend::Sim, &[])?;
+
+    // Validation passes, every check reported.
+    let gn = wait_status(
+        &client,
+        &node,
+        "validated=True",
+        Duration::from_secs(60),
+        |s| s.validated.as_deref() == Some("True") && s.gpu_count == 2 && s.cdi.is_some(),
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let status = gn.status.clone().unwrap_or_default();
+    let names: Vec<&str> = status.checks.iter().map(|c| c.name.as_str()).collect();
+    for n in [
+        "NVMLInit",
+        "DriverVersion",
+        "CUDAVersion",
+        "KernelModule",
+        "DeviceNodes",
+        "ECCErrors",
+        "PCIeReplay",
+        "XidErrors",
+        "PersistenceMode",
+    ] {
+        ensure!(names.contains(&n), "check {n} missing from {names:?}");
+    }
+    ensure!(
+        status.checks.iter().all(|c| c.passed),
+        "{:?}",
+        status.checks
+    );
+    ensure!(status.driver_version.as_deref() == Some(DRIVER));
+    ensure!(status.healthy_gpus == 2);
+    wait_event(&client, &node, "ValidationPassed").await?;
+    // PodResources socket is absent here: reported as a condition, and the agent keeps serving.
+    ensure!(
+        status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "PodResourcesAvailable" && c.status == "False"),
+        "{:?}",
+        status.conditions
+    );
+
+    // The CDI spec: written, well-formed, paths inside the driver root, no hooks.
+    let cdi = status.cdi.clone().context("no cdi status")?;
+    ensure!(Path::new(&cdi.path) == host.spec_file(), "{}", cdi.path);
+    ensure!(
+        cdi.digest.starts_with("sha256:") && cdi.digest.len() == 71,
+        "{}",
+        cdi.digest
+    );
+    let text = fs::read_to_string(host.spec_file())?;
+    ensure!(fs::metadata(host.spec_file())?.permissions().mode() & 0o777 == 0o644);
+    let spec: serde_yaml::Value = serde_yaml::from_str(&text)?;
+    ensure!(spec["cdiVersion"] == "0.5.0", "{text}");
+    ensure!(spec["kind"] == "gpupool.io/gpu", "{text}");
+    ensure!(
+        spec.get("hooks").is_none() && spec["containerEdits"].get("hooks").is_none(),
+        "{text}"
+    );
+    let devices: Vec<String> = spec["devices"]
+        .as_sequence()
+        .context("no devices")?
+        .iter()
+        .filter_map(|d| d["name"].as_str().map(str::to_owned))
+        .collect();
+    for want in [
+        "0",
+        "1",
+        "all",
+        status.gpus[0].uuid.as_str(),
+        status.gpus[1].uuid.as_str(),
+    ] {
+        ensure!(
+            devices.iter().any(|d| d == want),
+            "device {want} missing: {devices:?}"
+        );
+    }
+    ensure!(cdi.devices as usize == devices.len());
+    let root = fs::canonicalize(&host.driver_root)?.display().to_string();
+    for line in text.lines().filter(|l| l.contains("hostPath:")) {
+        let path = line.split("hostPath:").nth(1).unwrap_or_default().trim();
+        ensure!(
+            path.starts_with(&root),
+            "hostPath outside the driver root: {path}"
+        );
+    }
+    ensure!(host.socket("nvidia.com/gpu").exists(), "no plugin socket");
+
+    // Hardware labels on the Node; the foreign label kept.
+    let labels = Api::<Node>::all(client.clone())
+        .get(&node)
+        .await?
+        .labels()
+        .clone();
+    ensure!(
+        labels.get("gpupool.io/gpu.count").map(String::as_str) == Some("2"),
+        "{labels:?}"
+    );
+    ensure!(
+        labels.get("gpupool.io/gpu.product").map(String::as_str) == Some("NVIDIA-H100-80GB-HBM3"),
+        "{labels:?}"
+    );
+    ensure!(
+        labels.get("gpupool.io/driver.version").map(String::as_str) == Some(DRIVER),
+        "{labels:?}"
+    );
+    ensure!(
+        labels.get("gpupool.io/mig.capable").map(String::as_str) == Some("true"),
+        "{labels:?}"
+    );
+    ensure!(
+        labels.get("e2e.gpupool.io/other").map(String::as_str) == Some("keep"),
+        "{labels:?}"
+    );
+
+    // Idleness: GPU 0 goes idle (idleSince set), then busy again (cleared).
+    wait_status(
+        &client,
+        &node,
+        "GPU 0 idleSince set",
+        Duration::from_secs(40),
+        |s| {
+            s.gpus
+                .first()
+                .is_some_and(|g| g.idleness.idle_since.is_some())
+        },
+    )
+    .await?;
+    wait_status(
+        &client,
+        &node,
+        "GPU 0 busy again, idleSince cleared",
+        Duration::from_secs(40),
+        |s| {
+            s.gpus.first().is_some_and(|g| {
+                g.idleness.idle_since.is_none()
+                    && g.idleness.activity == gpupool_crds::node::Activity::Busy
+            })
+        },
+    )
+    .await?;
+    let status = wait_status(&client, &node, "GPU 1 idle", Duration::from_secs(10), |s| {
+        s.gpus
+            .get(1)
+            .is_some_and(|g| g.idleness.idle_since.is_some())
+    })
+    .await?;
+
+    // Steady state: no status writes over a 20 s window, and the CDI spec is not rewritten.
+    let rv = status.resource_version().context("no resourceVersion")?;
+    let spec_mtime = mtime(&host.spec_file())?;
+    let api: Api<GpuNode> = Api::all(client.clone());
+    let window = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut interval = tokio::time::interval(Duration::from_millis(500));
+    while tokio::time::Instant::now() < window {
+        interval.tick().await;
+        let now = api.get(&node).await?;
+        ensure!(
+            now.resource_version().as_deref() == Some(rv.as_str()),
+            "status written during the steady window: {:?}",
+            now.status
+        );
+    }
+    ensure!(
+        mtime(&host.spec_file())? == spec_mtime,
+        "CDI spec rewritten without a change"
+    );
+
+    // A content change rewrites the spec: UUID names only.
+    let patch = serde_json::json!({"spec": {"cdi": {"deviceNameStrategies": ["uuid"]}}});
+    api.patch(&node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    let old_digest = cdi.digest.clone();
+    wait_status(
+        &client,
+        &node,
+        "a new CDI digest",
+        Duration::from_secs(30),
+        |s| s.cdi.as_ref().is_some_and(|c| c.digest != old_digest),
+    )
+    .await?;
+    let text = fs::read_to_string(host.spec_file())?;
+    ensure!(
+        !text.contains("name: '0'"),
+        "index names still present:\n{text}"
+    );
+    ensure!(
+        text.contains("cdiVersion: 0.5.0"),
+        "host paths differ from container paths, so 0.5.0:\n{text}"
+    );
+
+    // SIGTERM: clean exit, plugin sockets removed; a restart leaves the unchanged spec alone.
+    let socket = host.socket("nvidia.com/gpu");
+    agent.terminate().await?;
+    ensure!(!socket.exists(), "plugin socket left behind after SIGTERM");
+    let spec_mtime = mtime(&host.spec_file())?;
+    let again = Agent::start(cluster, &host, Backend::Sim, &[])?;
+    poll(
+        "the restarted agent to serve",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || {
+            let exists = socket.exists();
+            async move { Ok(exists.then_some(())) }
+        },
+    )
+    .await
+    .with_context(|| again.log_text())?;
+    ensure!(
+        mtime(&host.spec_file())? == spec_mtime,
+        "restart rewrote an unchanged CDI spec"
+    );
+    again.terminate().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn agent_reports_failed_validation_with_message_and_event() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let client = cluster.client().await?;
+    let scope = TestScope::new(cluster, "agent-old-driver")?;
+    let node = kwok_node(&client, 1).await?;
+    let fixture = "node: old-driver-e2e\ndriver: {version: \"535.104.05\", cuda: \"12.2\"}\ngpus:\n  - model: A100-SXM4-40GB\n    count: 2\n";
+    let host = NodeHost::new(&scope, &node, fixture, 2)?;
+    fs::write(
+        host.driver_root.join("proc/driver/nvidia/version"),
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05\n",
+    )?;
+    let mut spec = base_spec(scope.prefix());
+    spec.driver.min_version = Some("550.54.15".into());
+    fresh_gpunode(&client, &scope, &node, spec).await?;
+    let agent = Agent::start(cluster, &host, Backend::Sim, &[])?;
+
+    let gn = wait_status(
+        &client,
+        &node,
+        "validated=False",
+        Duration::from_secs(60),
+        |s| s.validated.as_deref() == Some("False"),
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let status = gn.status.unwrap_or_default();
+    let cuda = status
+        .checks
+        .iter()
+        .find(|c| c.name == "CUDAVersion")
+        .context("no CUDAVersion check")?;
+    ensure!(!cuda.passed);
+    ensure!(
+        cuda.message
+            == "driver 535.104.05 supports CUDA 12.2; pool requires 12.4: upgrade the driver to ≥ 550.54.14",
+        "{}",
+        cuda.message
+    );
+    let version = status
+        .checks
+        .iter()
+        .find(|c| c.name == "DriverVersion")
+        .context("no DriverVersion")?;
+    ensure!(
+        !version.passed
+            && version.message.contains("535.104.05")
+            && version.message.contains("550.54.15")
+    );
+    let failed: Vec<&str> = status
+        .checks
+        .iter()
+        .filter(|c| !c.passed)
+        .map(|c| c.name.as_str())
+        .collect();
+    ensure!(failed == ["DriverVersion", "CUDAVersion"], "{failed:?}");
+    let event = wait_event(&client, &node, "ValidationFailed").await?;
+    ensure!(event.type_.as_deref() == Some("Warning"));
+    ensure!(event.message.unwrap_or_default().contains("CUDA 12.2"));
+
+    // The pool lowers its requirement: the node passes, with an Event.
+    let api: Api<GpuNode> = Api::all(client.clone());
+    let patch =
+        serde_json::json!({"spec": {"driver": {"minVersion": "535", "cudaVersion": "12.2"}}});
+    api.patch(&node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    wait_status(
+        &client,
+        &node,
+        "validated=True after lowering",
+        Duration::from_secs(30),
+        |s| s.validated.as_deref() == Some("True"),
+    )
+    .await?;
+    wait_event(&client, &node, "ValidationPassed").await?;
+    agent.terminate().await
+}
+
+#[tokio::test]
+async fn agent_applies_mig_layout_and_completes_it_after_kill_9() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let client = cluster.client().await?;
+    let scope = TestScope::new(cluster, "agent-mig")?;
+    let node = kwok_node(&client, 2).await?;
+    // A compute process runs on GPU 0 for the first 12 s after NVML starts: the agent must
+    // wait for it (Draining) before touching the GPU.
+    let fixture = format!(
+        "node: {}\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\nutilization:\n  - gpu: 0\n    processes:\n      - {{pid: 4242, used_memory_mib: 1024, from: 0, to: 12}}\n",
+        scope.prefix()
+    );
+    let host = NodeHost::new(&scope, &node, &fixture, 2)?;
+    let mut spec = base_spec(scope.prefix());
+    spec.mig.strategy = MigStrategy::Mixed;
+    spec.cdi.device_name_strategies =
+        vec![CdiDeviceNameStrategy::Index, CdiDeviceNameStrategy::Uuid];
+    fresh_gpunode(&client, &scope, &node, spec).await?;
+
+    // Record every MIG state the apiserver shows, in order.
+    let api: Api<GpuNode> = Api::all(client.clone());
+    let states: Arc<Mutex<Vec<MigState>>> = Arc::default();
+    let recorder = {
+        let (states, api, node) = (states.clone(), api.clone(), node.clone());
+        tokio::spawn(async move {
+            let mut interval = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                interval.tick().await;
+                let Ok(gn) = api.get(&node).await else {
+                    continue;
+                };
+                let Some(s) = gn.status else { continue };
+                if let Ok(mut v) = states.lock() {
+                    if v.last() != Some(&s.mig.state) {
+                        v.push(s.mig.state);
+                    }
+                }
+            }
+        })
+    };
+
+    let agent = Agent::start(
+        cluster,
+        &host,
+        Backend::Nvml,
+        &["--mig-step-delay-ms", "700"],
+    )?;
+    wait_status(
+        &client,
+        &node,
+        "validated on the NVML backend",
+        Duration::from_secs(60),
+        |s| s.validated.as_deref() == Some("True") && s.gpu_count == 2,
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    ensure!(host.socket("nvidia.com/gpu").exists());
+
+    // Ask for 7 × 1g.10gb on GPU 0 only.
+    let layout = NodeMigSpec {
+        strategy: MigStrategy::Mixed,
+        managed: true,
+        layout_name: Some("all-1g.10gb".into()),
+        gpus: vec![GpuMigSpec {
+            index: 0,
+            enabled: true,
+            profiles: BTreeMap::from([("1g.10gb".to_owned(), 7)]),
+        }],
+    };
+    let patch = serde_json::json!({"spec": {"mig": layout}});
+    let generation = api
+        .patch(&node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?
+        .metadata
+        .generation;
+    wait_status(
+        &client,
+        &node,
+        "MIG Applying",
+        Duration::from_secs(30),
+        |s| s.mig.state == MigState::Applying,
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    // Kill -9 once a few GPU instances exist.
+    poll(
+        "two GPU instances created",
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        || {
+            let n = agent.log_text().matches("creating GPU instance").count();
+            async move { Ok((n >= 2).then_some(())) }
+        },
+    )
+    .await?;
+    drop(agent);
+    let created = fs::read_to_string(host.dir.join("nvml-state.json")).unwrap_or_default();
+    ensure!(!created.is_empty(), "the fake NVML kept no state");
+
+    let agent = Agent::start(cluster, &host, Backend::Nvml, &[])?;
+    let gn = wait_status(
+        &client,
+        &node,
+        "MIG Applied after restart",
+        Duration::from_secs(60),
+        |s| s.mig.state == MigState::Applied && s.mig.observed_generation == generation,
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let status = gn.status.unwrap_or_default();
+    let gpu0 = &status.gpus[0];
+    ensure!(gpu0.mig_enabled);
+    let profiles: Vec<&str> = gpu0
+        .mig_devices
+        .iter()
+        .map(|m| m.profile.as_str())
+        .collect();
+    ensure!(profiles == ["1g.10gb"; 7], "{profiles:?}");
+    let mut gis: Vec<u32> = gpu0.mig_devices.iter().map(|m| m.gpu_instance).collect();
+    gis.sort();
+    gis.dedup();
+    ensure!(gis.len() == 7, "seven distinct GPU instances: {gis:?}");
+    ensure!(
+        !status.gpus[1].mig_enabled && status.gpus[1].mig_devices.is_empty(),
+        "GPU 1 was touched"
+    );
+
+    // The plugin serves the new resource, and the CDI spec names the MIG devices.
+    poll(
+        "the mig-1g.10gb plugin socket",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || {
+            let ok = host.socket("nvidia.com/mig-1g.10gb").exists();
+            async move { Ok(ok.then_some(())) }
+        },
+    )
+    .await?;
+    let text = fs::read_to_string(host.spec_file())?;
+    for j in 0..7 {
+        ensure!(
+            text.contains(&format!("name: 0:{j}")) || text.contains(&format!("name: '0:{j}'")),
+            "0:{j} missing"
+        );
+    }
+    for m in &gpu0.mig_devices {
+        ensure!(
+            text.contains(&m.uuid),
+            "{} missing from the CDI spec",
+            m.uuid
+        );
+    }
+    ensure!(text.contains("/dev/nvidia-caps/nvidia-cap"));
+
+    let seen = states.lock().map(|v| v.clone()).unwrap_or_default();
+    let pos = |s: MigState| seen.iter().position(|x| *x == s);
+    ensure!(
+        matches!((pos(MigState::Draining), pos(MigState::Applying)), (Some(d), Some(a)) if d < a),
+        "states seen: {seen:?}"
+    );
+    ensure!(
+        seen.last() == Some(&MigState::Applied),
+        "states seen: {seen:?}"
+    );
+    wait_event(&client, &node, "MigApplied").await?;
+    recorder.abort();
+    agent.terminate().await
+}
