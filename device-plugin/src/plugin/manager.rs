@@ -92,26 +92,15 @@ impl PluginConfig {
 /// server and removes its socket. Each change to the advertisement reaches the
 /// `ListAndWatch` streams of the resources it touches; new resources get a server
 /// and a registration; vanished ones advertise an empty list until the kubelet
-/// has been sent it (or `removal_timeout`), then stop.
+/// has been sent it (or `removal_timeout`), then stop. Registrations and server
+/// stops run as their own tasks, so a slow kubelet never delays device updates.
 pub async fn run_plugins(
     config: PluginConfig,
     mut advertisement: watch::Receiver<Advertisement>,
     metrics: Arc<PluginMetrics>,
     cancel: CancellationToken,
 ) -> Result<(), PluginError> {
-    let mut manager = Manager {
-        options: Arc::new(AllocateOptions {
-            cdi_kind: config.cdi_kind.clone(),
-            annotation_plugin: config.name_prefix.clone(),
-        }),
-        kubelet_identity: file_identity(&config.kubelet_socket()),
-        config,
-        metrics,
-        plugins: BTreeMap::new(),
-        generation: 0,
-        retirements: JoinSet::new(),
-        cancel: cancel.clone(),
-    };
+    let mut manager = Manager::new(config, metrics, cancel.clone());
     if manager.kubelet_identity.is_none() {
         tracing::warn!(
             socket = %manager.config.kubelet_socket().display(),
@@ -119,7 +108,7 @@ pub async fn run_plugins(
         );
     }
     let initial = advertisement.borrow_and_update().clone();
-    manager.reconcile(&initial).await;
+    manager.reconcile(&initial);
 
     let mut tick = tokio::time::interval(manager.config.watch_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -135,13 +124,22 @@ pub async fn run_plugins(
                     continue;
                 }
                 let next = advertisement.borrow_and_update().clone();
-                manager.reconcile(&next).await;
+                manager.reconcile(&next);
             }
+            Some(done) = manager.registrations.join_next() => match done {
+                Ok(outcome) => manager.registration_done(outcome),
+                Err(e) => tracing::error!(error = %e, "registration task failed"),
+            },
             Some(done) = manager.retirements.join_next() => match done {
-                Ok((resource, generation, seen)) => manager.finish_retirement(resource, generation, seen).await,
+                Ok((resource, generation, seen)) => manager.finish_retirement(resource, generation, seen),
                 Err(e) => tracing::error!(error = %e, "retirement task failed"),
             },
-            _ = tick.tick() => manager.check_sockets().await,
+            Some(done) = manager.stopping.join_next() => {
+                if let Err(e) = done {
+                    tracing::error!(error = %e, "server stop task failed");
+                }
+            }
+            _ = tick.tick() => manager.check_sockets(),
         }
     }
     manager.shutdown().await;
@@ -150,7 +148,16 @@ pub async fn run_plugins(
 
 enum Registration {
     Registered,
-    Pending { attempt: u32, next: Instant },
+    /// Waiting to (re)try at `next`.
+    Pending {
+        attempt: u32,
+        next: Instant,
+    },
+    /// A registration task is running; its outcome carries `token`.
+    InFlight {
+        attempt: u32,
+        token: u64,
+    },
 }
 
 struct Plugin {
@@ -165,24 +172,51 @@ struct Plugin {
     retiring: Option<u64>,
 }
 
+struct RegistrationOutcome {
+    resource: ResourceName,
+    token: u64,
+    result: Result<(), String>,
+}
+
 struct Manager {
     config: PluginConfig,
     options: Arc<AllocateOptions>,
     metrics: Arc<PluginMetrics>,
     plugins: BTreeMap<ResourceName, Plugin>,
     kubelet_identity: Option<FileIdentity>,
+    /// Source of view generations and registration tokens.
     generation: u64,
+    registrations: JoinSet<RegistrationOutcome>,
     retirements: JoinSet<(ResourceName, u64, bool)>,
+    stopping: JoinSet<()>,
     cancel: CancellationToken,
 }
 
 impl Manager {
+    fn new(config: PluginConfig, metrics: Arc<PluginMetrics>, cancel: CancellationToken) -> Self {
+        Self {
+            options: Arc::new(AllocateOptions {
+                cdi_kind: config.cdi_kind.clone(),
+                annotation_plugin: config.name_prefix.clone(),
+            }),
+            kubelet_identity: file_identity(&config.kubelet_socket()),
+            config,
+            metrics,
+            plugins: BTreeMap::new(),
+            generation: 0,
+            registrations: JoinSet::new(),
+            retirements: JoinSet::new(),
+            stopping: JoinSet::new(),
+            cancel,
+        }
+    }
+
     fn next_generation(&mut self) -> u64 {
         self.generation += 1;
         self.generation
     }
 
-    async fn reconcile(&mut self, advertisement: &Advertisement) {
+    fn reconcile(&mut self, advertisement: &Advertisement) {
         for (resource, devices) in &advertisement.resources {
             let generation = self.next_generation();
             if let Some(plugin) = self.plugins.get_mut(resource) {
@@ -212,7 +246,7 @@ impl Manager {
                 &advertisement.topology,
             );
             self.plugins.insert(resource.clone(), plugin);
-            self.attempt_registration(resource).await;
+            self.start_registration(resource);
         }
         let vanished: Vec<ResourceName> = self
             .plugins
@@ -255,65 +289,75 @@ impl Manager {
         }
     }
 
-    /// Starts the plugin's server if it has none. Returns false on failure.
-    fn ensure_server(&self, plugin: &mut Plugin) -> bool {
-        if plugin.server.is_some() {
-            return true;
-        }
-        let service = DevicePluginService {
-            view: plugin.view.subscribe(),
-            sent: plugin.sent.clone(),
-            options: self.options.clone(),
-            metrics: self.metrics.clone(),
-            stop: CancellationToken::new(),
-        };
-        match RunningServer::start(plugin.socket_path.clone(), service) {
-            Ok(server) => {
-                PluginMetrics::inc(&self.metrics.server_starts);
-                tracing::debug!(resource = %plugin.resource, socket = %plugin.socket_path.display(), "serving");
-                plugin.server = Some(server);
-                true
-            }
-            Err(e) => {
-                tracing::warn!(resource = %plugin.resource, error = %e, "cannot start plugin server");
-                false
-            }
-        }
-    }
-
-    /// Serve, self-dial, then Register; on failure schedule a retry with backoff.
-    async fn attempt_registration(&mut self, resource: &ResourceName) {
+    /// Serve (if not yet), then self-dial and Register in a task; failures
+    /// schedule a retry with backoff.
+    fn start_registration(&mut self, resource: &ResourceName) {
         let kubelet_socket = self.config.kubelet_socket();
-        let Some(mut plugin) = self.plugins.remove(resource) else {
+        let token = self.next_generation();
+        let Some(plugin) = self.plugins.get_mut(resource) else {
             return;
         };
         let attempt = match plugin.registration {
-            Registration::Pending { attempt, .. } => attempt,
+            Registration::Pending { attempt, .. } | Registration::InFlight { attempt, .. } => {
+                attempt
+            }
             Registration::Registered => 0,
         };
-        let result = if !self.ensure_server(&mut plugin) {
-            Err("plugin server not running".to_owned())
-        } else if file_identity(&kubelet_socket).is_none() {
-            Err(format!(
+        if !ensure_server(plugin, &self.options, &self.metrics) {
+            fail_registration(
+                plugin,
+                attempt,
+                "plugin server not running",
+                &self.config,
+                &self.metrics,
+            );
+            return;
+        }
+        if file_identity(&kubelet_socket).is_none() {
+            let why = format!(
                 "{} does not exist (kubelet not running?)",
                 kubelet_socket.display()
-            ))
-        } else {
-            let timeout = self.config.rpc_timeout;
+            );
+            fail_registration(plugin, attempt, &why, &self.config, &self.metrics);
+            return;
+        }
+        plugin.registration = Registration::InFlight { attempt, token };
+        let (socket, endpoint) = (plugin.socket_path.clone(), plugin.endpoint.clone());
+        let (resource, timeout, cancel) = (
+            resource.clone(),
+            self.config.rpc_timeout,
+            self.cancel.clone(),
+        );
+        self.registrations.spawn(async move {
             let steps = async {
-                server::self_dial(&plugin.socket_path, timeout).await?;
-                server::register(
-                    &kubelet_socket,
-                    &plugin.endpoint,
-                    resource.as_str(),
-                    timeout,
-                )
-                .await
+                server::self_dial(&socket, timeout).await?;
+                server::register(&kubelet_socket, &endpoint, resource.as_str(), timeout).await
             };
-            tokio::select! {
-                () = self.cancel.cancelled() => Err("shutting down".to_owned()),
+            let result = tokio::select! {
+                () = cancel.cancelled() => Err("shutting down".to_owned()),
                 r = steps => r.map_err(|e| e.to_string()),
+            };
+            RegistrationOutcome {
+                resource,
+                token,
+                result,
             }
+        });
+    }
+
+    fn registration_done(&mut self, outcome: RegistrationOutcome) {
+        let RegistrationOutcome {
+            resource,
+            token,
+            result,
+        } = outcome;
+        let Some(plugin) = self.plugins.get_mut(&resource) else {
+            return;
+        };
+        let attempt = match plugin.registration {
+            Registration::InFlight { attempt, token: t } if t == token => attempt,
+            // Superseded (e.g. the kubelet restarted meanwhile): a newer attempt decides.
+            _ => return,
         };
         match result {
             Ok(()) => {
@@ -321,33 +365,12 @@ impl Manager {
                 tracing::info!(%resource, endpoint = %plugin.endpoint, "registered with the kubelet");
                 plugin.registration = Registration::Registered;
             }
-            Err(why) => {
-                PluginMetrics::inc(&self.metrics.registration_failures);
-                let delay = self.backoff(attempt);
-                if attempt % 10 == 0 {
-                    tracing::warn!(%resource, attempt, retry_in_ms = delay.as_millis() as u64, reason = %why, "registration failed; retrying");
-                } else {
-                    tracing::debug!(%resource, attempt, retry_in_ms = delay.as_millis() as u64, reason = %why, "registration failed; retrying");
-                }
-                plugin.registration = Registration::Pending {
-                    attempt: attempt.saturating_add(1),
-                    next: Instant::now() + delay,
-                };
-            }
+            Err(why) => fail_registration(plugin, attempt, &why, &self.config, &self.metrics),
         }
-        self.plugins.insert(resource.clone(), plugin);
     }
 
-    fn backoff(&self, attempt: u32) -> Duration {
-        let factor = 1u32.checked_shl(attempt.min(16)).unwrap_or(u32::MAX);
-        self.config
-            .backoff_initial
-            .saturating_mul(factor)
-            .min(self.config.backoff_max)
-    }
-
-    /// Detects kubelet restarts and deleted sockets; retries due registrations.
-    async fn check_sockets(&mut self) {
+    /// Detects kubelet restarts and deleted sockets; starts due registrations.
+    fn check_sockets(&mut self) {
         let now_identity = file_identity(&self.config.kubelet_socket());
         if now_identity != self.kubelet_identity {
             match (self.kubelet_identity, now_identity) {
@@ -372,13 +395,12 @@ impl Manager {
                 }
             }
         }
+        let grace = self.config.stop_grace;
         for plugin in self.plugins.values_mut().filter(|p| p.retiring.is_none()) {
             let broken = plugin.server.as_ref().is_some_and(|s| !s.socket_intact());
-            if broken {
+            if let Some(old) = plugin.server.take_if(|_| broken) {
                 tracing::info!(resource = %plugin.resource, socket = %plugin.socket_path.display(), "plugin socket deleted (kubelet restart?); restarting the server");
-                if let Some(old) = plugin.server.take() {
-                    old.stop(self.config.stop_grace).await;
-                }
+                self.stopping.spawn(old.stop(grace));
                 plugin.registration = Registration::Pending {
                     attempt: 0,
                     next: Instant::now(),
@@ -394,7 +416,7 @@ impl Manager {
             .map(|(r, _)| r.clone())
             .collect();
         for resource in due {
-            self.attempt_registration(&resource).await;
+            self.start_registration(&resource);
         }
     }
 
@@ -424,7 +446,7 @@ impl Manager {
         });
     }
 
-    async fn finish_retirement(&mut self, resource: ResourceName, generation: u64, seen: bool) {
+    fn finish_retirement(&mut self, resource: ResourceName, generation: u64, seen: bool) {
         let still_retiring = self
             .plugins
             .get(&resource)
@@ -438,20 +460,89 @@ impl Manager {
             tracing::warn!(%resource, "no ListAndWatch stream took the empty list in time; stopping anyway");
         }
         if let Some(server) = self.plugins.remove(&resource).and_then(|p| p.server) {
-            server.stop(self.config.stop_grace).await;
+            self.stopping.spawn(server.stop(self.config.stop_grace));
         }
     }
 
     async fn shutdown(&mut self) {
         tracing::info!(servers = self.plugins.len(), "stopping plugin servers");
+        self.registrations.abort_all();
         self.retirements.abort_all();
         let grace = self.config.stop_grace;
-        let stops = std::mem::take(&mut self.plugins)
+        for server in std::mem::take(&mut self.plugins)
             .into_values()
             .filter_map(|p| p.server)
-            .map(|s| s.stop(grace));
-        futures::future::join_all(stops).await;
+        {
+            self.stopping.spawn(server.stop(grace));
+        }
+        while let Some(done) = self.stopping.join_next().await {
+            if let Err(e) = done {
+                tracing::error!(error = %e, "server stop task failed");
+            }
+        }
     }
+}
+
+/// Starts the plugin's server if it has none. Returns false on failure.
+fn ensure_server(
+    plugin: &mut Plugin,
+    options: &Arc<AllocateOptions>,
+    metrics: &Arc<PluginMetrics>,
+) -> bool {
+    if plugin.server.is_some() {
+        return true;
+    }
+    let service = DevicePluginService {
+        view: plugin.view.subscribe(),
+        sent: plugin.sent.clone(),
+        options: options.clone(),
+        metrics: metrics.clone(),
+        stop: CancellationToken::new(),
+    };
+    match RunningServer::start(plugin.socket_path.clone(), service) {
+        Ok(server) => {
+            PluginMetrics::inc(&metrics.server_starts);
+            tracing::debug!(resource = %plugin.resource, socket = %plugin.socket_path.display(), "serving");
+            plugin.server = Some(server);
+            true
+        }
+        Err(e) => {
+            tracing::warn!(resource = %plugin.resource, error = %e, "cannot start plugin server");
+            false
+        }
+    }
+}
+
+fn fail_registration(
+    plugin: &mut Plugin,
+    attempt: u32,
+    why: &str,
+    config: &PluginConfig,
+    metrics: &PluginMetrics,
+) {
+    PluginMetrics::inc(&metrics.registration_failures);
+    let delay = backoff(config, attempt);
+    let retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+    let resource = &plugin.resource;
+    // Every failure is counted; the log says so on the first and every tenth.
+    if attempt.is_multiple_of(10) {
+        tracing::warn!(%resource, attempt, retry_in_ms, reason = %why, "registration failed; retrying");
+    } else {
+        tracing::debug!(%resource, attempt, retry_in_ms, reason = %why, "registration failed; retrying");
+    }
+    plugin.registration = Registration::Pending {
+        attempt: attempt.saturating_add(1),
+        next: Instant::now() + delay,
+    };
+}
+
+/// Registration retry delay: `backoff_initial` doubling per failure, capped at `backoff_max`.
+fn backoff(config: &PluginConfig, attempt: u32) -> Duration {
+    let factor = 1u32.checked_shl(attempt.min(16)).unwrap_or(u32::MAX);
+    config
+        .backoff_initial
+        .saturating_mul(factor)
+        .min(config.backoff_max)
 }
 
 #[cfg(test)]
@@ -460,17 +551,8 @@ mod tests {
 
     #[test]
     fn backoff_doubles_and_caps() {
-        let manager = Manager {
-            config: PluginConfig::default(),
-            options: Arc::default(),
-            metrics: Arc::default(),
-            plugins: BTreeMap::new(),
-            kubelet_identity: None,
-            generation: 0,
-            retirements: JoinSet::new(),
-            cancel: CancellationToken::new(),
-        };
-        let ms = |a| manager.backoff(a).as_millis();
+        let config = PluginConfig::default();
+        let ms = |a| backoff(&config, a).as_millis();
         assert_eq!(
             [ms(0), ms(1), ms(2), ms(5), ms(6), ms(40)],
             [100, 200, 400, 3200, 5000, 5000]
