@@ -44,6 +44,8 @@ pub struct Settings {
     pub backoff_min: Duration,
     /// Error backoff cap.
     pub backoff_max: Duration,
+    /// Label selector narrowing the GpuPools this operator manages (sharding, tests).
+    pub pool_selector: Option<String>,
 }
 
 impl Default for Settings {
@@ -53,6 +55,7 @@ impl Default for Settings {
             resync: Duration::from_secs(300),
             backoff_min: Duration::from_secs(5),
             backoff_max: Duration::from_secs(300),
+            pool_selector: None,
         }
     }
 }
@@ -685,7 +688,11 @@ pub async fn run(
         .default_backoff()
         .touched_objects();
 
-    let controller = Controller::new(pools_api, cfg)
+    let pool_cfg = match &settings.pool_selector {
+        Some(sel) => cfg.clone().labels(sel),
+        None => cfg.clone(),
+    };
+    let controller = Controller::new(pools_api, pool_cfg)
         .with_config(ControllerConfig::default().debounce(Duration::from_millis(500)));
     let pool_store = controller.store();
     let recorder = Recorder::new(
@@ -724,7 +731,12 @@ pub async fn run(
             .map(|g| ObjectRef::new(&g.name_any()))
             .collect::<Vec<_>>()
     };
-    let gn_to_pool = |gn: GpuNode| Some(ObjectRef::<DeserializeGuard<GpuPool>>::new(&gn.spec.pool));
+    let pools_for_gpunodes = pool_store.clone();
+    let gn_to_pool = move |gn: GpuNode| {
+        let pool = ObjectRef::<DeserializeGuard<GpuPool>>::new(&gn.spec.pool);
+        // GpuNodes of pools another operator shard manages are not ours to reconcile.
+        pools_for_gpunodes.get(&pool).map(|_| pool)
+    };
 
     // Pods and namespaces only feed stores; keep their streams polled.
     let side = tokio::spawn(async move {

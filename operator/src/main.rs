@@ -54,6 +54,10 @@ struct Args {
     /// Seconds between full re-reconciles when nothing happens.
     #[arg(long, env = "GPUPOOL_RESYNC", default_value_t = 300)]
     resync: u64,
+    /// Manage only GpuPools matching this label selector (e.g. to shard pools between
+    /// operators); all by default.
+    #[arg(long, env = "GPUPOOL_POOL_SELECTOR")]
+    pool_selector: Option<String>,
     /// Seconds to wait for the CRDs to be Established at start.
     #[arg(long, env = "GPUPOOL_CRD_TIMEOUT", default_value_t = 60)]
     crd_timeout: u64,
@@ -120,6 +124,7 @@ async fn main() -> Result<()> {
     let settings = Settings {
         reclaim_interval: Duration::from_secs(args.reclaim_interval),
         resync: Duration::from_secs(args.resync),
+        pool_selector: args.pool_selector.clone(),
         ..Settings::default()
     };
 

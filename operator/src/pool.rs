@@ -178,6 +178,14 @@ fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -
         problem(lp.reason, lp.message.clone());
         v.mig = MigVerdict::Failed;
     }
+    let managed = m
+        .gpunode
+        .map(|g| g.spec.mig.managed)
+        .unwrap_or(pool.spec.mig.layout.is_some());
+    if managed && m.layout_problem.is_none() {
+        // Until the agent says otherwise, the layout is still to be applied.
+        v.mig = MigVerdict::Pending;
+    }
     let Some(gn) = m.gpunode else {
         problem(
             "NotReported",
@@ -789,7 +797,7 @@ pub(crate) mod tests {
         assert_eq!(st.nodes.as_deref(), Some("1/5"));
         // n1, n2 and n4 have the layout; n3 is applying, n5 has not reported.
         assert_eq!(st.mig.summary.as_deref(), Some("all-1g.10gb 3/5"));
-        assert_eq!(st.mig.pending, 1);
+        assert_eq!(st.mig.pending, 2, "n3 applying, n5 not reported");
         assert_eq!(st.driver.as_deref(), Some("535.104.05, 550.54.15"));
         let reasons: Vec<(&str, &str)> = st
             .problems
@@ -848,6 +856,11 @@ pub(crate) mod tests {
         let members: Vec<Member<'_>> = (0..80).map(|i| member(&format!("n{i:03}"), None)).collect();
         let st = pool_status(&input(&p, members));
         assert_eq!(st.problems.len(), MAX_PROBLEMS);
+        assert_eq!(
+            condition_status(&st, "MIGApplied"),
+            Some("True"),
+            "no layout asked"
+        );
         assert!(st.problems.windows(2).all(|w| w[0] <= w[1]));
         let ready = st.conditions.iter().find(|c| c.type_ == "Ready").unwrap();
         assert!(ready.message.contains("and 70 more"), "{}", ready.message);

@@ -1,0 +1,343 @@
+//! The operator against the real control plane: pools become Ready from the agents' reports,
+//! membership follows node labels, overlapping pools conflict, deletion cleans up, and a
+//! standby replica takes over when the leader dies.
+
+#[path = "operator_support.rs"]
+mod support;
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_LABEL};
+use gpupool_crds::node::CheckResult;
+use gpupool_crds::{GpuNode, GpuPool};
+use gpupool_e2e::{Cluster, TestScope, crds, wait};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Node;
+use kube::{Api, ResourceExt};
+use serde_json::json;
+use support::*;
+
+const ROLE: &str = "e2e.gpupool.io/role";
+
+fn has_taint(node: &Node) -> bool {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == DRIVER_INVALID_TAINT))
+}
+
+fn owner_name(gn: &GpuNode) -> Option<String> {
+    gn.owner_references().first().map(|o| o.name.clone())
+}
+
+#[tokio::test]
+async fn pool_becomes_ready_follows_labels_taints_and_cleans_up() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let scope = TestScope::new(cluster, "op-ready")?;
+    let client = cluster.client().await?;
+    let n1 = create_node(
+        cluster,
+        &scope,
+        &scope.name("n1"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[(ROLE, "gpu")],
+    )?;
+    let n2 = create_node(
+        cluster,
+        &scope,
+        &scope.name("n2"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[(ROLE, "gpu")],
+    )?;
+    let op = Operator::start(cluster, &scope, "only", &scope.name("lease"))?;
+    let pool_name = scope.name("train");
+    let (k, v) = scope.label();
+    apply_pool(
+        &client,
+        &scope,
+        &pool_name,
+        json!({
+            "nodeSelector": { "matchLabels": { k: v, ROLE: "gpu" } },
+            "driver": { "cudaVersion": "12.4", "onFailure": "Taint" },
+            "mig": { "strategy": "mixed", "layout": { "preset": "all-1g.10gb" } },
+        }),
+    )
+    .await?;
+
+    // A GpuNode per node, owned by the pool, with the layout resolved for the H100.
+    for node in [&n1, &n2] {
+        let gn = wait_gpunode(&client, node, |_| true)
+            .await
+            .with_context(|| op.log_tail())?;
+        assert_eq!(owner_name(&gn).as_deref(), Some(pool_name.as_str()));
+        assert_eq!(gn.spec.pool, pool_name);
+        assert_eq!(gn.spec.mig.gpus.len(), 8);
+        assert_eq!(gn.spec.mig.gpus[0].profiles.get("1g.10gb"), Some(&7));
+        wait_pool_label(&client, node, Some(&pool_name)).await?;
+    }
+    let pool = wait_pool(
+        &client,
+        &pool_name,
+        "pool not Ready before any report",
+        |p| p.status.as_ref().and_then(|s| s.nodes.as_deref()) == Some("0/2"),
+    )
+    .await?;
+    assert_eq!(condition(&pool, "Ready").as_deref(), Some("False"));
+
+    // The agents report: the pool becomes Ready.
+    for node in [&n1, &n2] {
+        report_status(&client, node, |_| {}).await?;
+    }
+    let pool = wait_pool(&client, &pool_name, "pool Ready", |p| {
+        condition(p, "Ready").as_deref() == Some("True")
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    let status = pool.status.clone().unwrap_or_default();
+    assert_eq!(status.nodes.as_deref(), Some("2/2"));
+    assert_eq!(status.gpus.total, 16);
+    assert_eq!(status.mig.summary.as_deref(), Some("all-1g.10gb 2/2"));
+    assert_eq!(status.driver.as_deref(), Some("550.54.15"));
+    assert_eq!(status.observed_generation, pool.metadata.generation);
+
+    // A failed driver check: not Ready, the problem says why, and the node is tainted.
+    report_status(&client, &n1, |s| {
+        s.validated = Some("False".into());
+        s.driver_version = Some("535.104.05".into());
+        s.checks = vec![CheckResult {
+            name: "CUDAVersion".into(),
+            passed: false,
+            message: "driver 535.104.05 supports CUDA 12.2; pool requires 12.4: upgrade the driver to ≥ 550".into(),
+        }];
+    })
+    .await?;
+    let pool = wait_pool(&client, &pool_name, "pool reports the failed check", |p| {
+        p.status
+            .as_ref()
+            .is_some_and(|s| s.problems.iter().any(|pr| pr.node == n1))
+    })
+    .await?;
+    let status = pool.status.clone().unwrap_or_default();
+    assert_eq!(condition(&pool, "Ready").as_deref(), Some("False"));
+    assert_eq!(condition(&pool, "DriverValid").as_deref(), Some("False"));
+    assert_eq!(
+        status.problems[0].message,
+        "check CUDAVersion failed: driver 535.104.05 supports CUDA 12.2; pool requires 12.4: upgrade the driver to ≥ 550"
+    );
+    let nodes: Api<Node> = Api::all(client.clone());
+    wait::poll("driver taint applied", REACT, POLL, || {
+        let nodes = nodes.clone();
+        let n1 = n1.clone();
+        async move { Ok(has_taint(&nodes.get(&n1).await?).then_some(())) }
+    })
+    .await?;
+    report_status(&client, &n1, |_| {}).await?;
+    wait::poll("driver taint removed", REACT, POLL, || {
+        let nodes = nodes.clone();
+        let n1 = n1.clone();
+        async move { Ok((!has_taint(&nodes.get(&n1).await?)).then_some(())) }
+    })
+    .await?;
+
+    // n2 leaves the pool by label, then comes back.
+    set_node_label(&client, &n2, ROLE, Some("cpu")).await?;
+    wait_gpunode_gone(&client, &n2).await?;
+    let pool = wait_pool(&client, &pool_name, "pool of one node", |p| {
+        p.status.as_ref().and_then(|s| s.nodes.as_deref()) == Some("1/1")
+    })
+    .await?;
+    assert_eq!(condition(&pool, "Ready").as_deref(), Some("True"));
+    wait_pool_label(&client, &n2, None).await?;
+    set_node_label(&client, &n2, ROLE, Some("gpu")).await?;
+    wait_gpunode(&client, &n2, |_| true).await?;
+    wait_pool(&client, &pool_name, "n2 back in the pool", |p| {
+        p.status.as_ref().and_then(|s| s.nodes.as_deref()) == Some("1/2")
+    })
+    .await?;
+
+    // Deletion removes the GpuNodes and labels, then the pool goes.
+    delete_pool(&client, &pool_name)
+        .await
+        .with_context(|| op.log_tail())?;
+    for node in [&n1, &n2] {
+        wait_gpunode_gone(&client, node).await?;
+        wait_pool_label(&client, node, None).await?;
+        assert!(!has_taint(&nodes.get(node).await?));
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn overlapping_pools_conflict_and_the_older_keeps_the_nodes() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let scope = TestScope::new(cluster, "op-conflict")?;
+    let client = cluster.client().await?;
+    let a = create_node(
+        cluster,
+        &scope,
+        &scope.name("a"),
+        "NVIDIA-A100-SXM4-80GB",
+        &[(ROLE, "x")],
+    )?;
+    let b = create_node(
+        cluster,
+        &scope,
+        &scope.name("b"),
+        "NVIDIA-A100-SXM4-80GB",
+        &[(ROLE, "y")],
+    )?;
+    let op = Operator::start(cluster, &scope, "only", &scope.name("lease"))?;
+    let (k, v) = scope.label();
+    // Named so that they sort by age even if created within the same second.
+    let old = scope.name("p1-old");
+    let young = scope.name("p2-young");
+    apply_pool(
+        &client,
+        &scope,
+        &old,
+        json!({ "nodeSelector": { "matchLabels": { k: v } } }),
+    )
+    .await?;
+    for node in [&a, &b] {
+        wait_gpunode(&client, node, |g| {
+            owner_name(g).as_deref() == Some(old.as_str())
+        })
+        .await
+        .with_context(|| op.log_tail())?;
+    }
+    apply_pool(
+        &client,
+        &scope,
+        &young,
+        json!({ "nodeSelector": { "matchLabels": { k: v, ROLE: "y" } } }),
+    )
+    .await?;
+    let pool = wait_pool(&client, &young, "young pool Conflict", |p| {
+        condition(p, "Conflict").as_deref() == Some("True")
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    let conflict = pool
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Conflict"))
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(
+        conflict.contains(&old) && conflict.contains(&b),
+        "{conflict}"
+    );
+    assert_eq!(condition(&pool, "Ready").as_deref(), Some("False"));
+    let gn_b: Api<GpuNode> = Api::all(client.clone());
+    assert_eq!(
+        owner_name(&gn_b.get(&b).await?).as_deref(),
+        Some(old.as_str())
+    );
+    wait_pool_label(&client, &b, Some(&old)).await?;
+
+    // The old pool goes: the young one takes node b, and the conflict clears.
+    delete_pool(&client, &old).await?;
+    wait_gpunode(&client, &b, |g| {
+        owner_name(g).as_deref() == Some(young.as_str())
+    })
+    .await?;
+    wait_pool(&client, &young, "conflict cleared", |p| {
+        condition(p, "Conflict").as_deref() == Some("False")
+    })
+    .await?;
+    wait_gpunode_gone(&client, &a).await?;
+    delete_pool(&client, &young).await?;
+    wait_gpunode_gone(&client, &b).await?;
+    Ok(())
+}
+
+async fn lease_holder(client: &kube::Client, ns: &str, name: &str) -> Result<Option<String>> {
+    let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
+    Ok(leases
+        .get_opt(name)
+        .await?
+        .and_then(|l| l.spec)
+        .and_then(|s| s.holder_identity))
+}
+
+#[tokio::test]
+async fn a_standby_replica_takes_over_when_the_leader_dies() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let scope = TestScope::new(cluster, "op-leader")?;
+    let client = cluster.client().await?;
+    let n = create_node(
+        cluster,
+        &scope,
+        &scope.name("n"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[],
+    )?;
+    let lease = scope.name("lease");
+    let mut a = Operator::start(cluster, &scope, "replica-a", &lease)?;
+    let leader = wait::poll("a leader", REACT, POLL, || {
+        let client = client.clone();
+        let lease = lease.clone();
+        let ns = scope.namespace().to_owned();
+        async move { lease_holder(&client, &ns, &lease).await }
+    })
+    .await
+    .with_context(|| a.log_tail())?;
+    assert_eq!(leader, "replica-a");
+    let b = Operator::start(cluster, &scope, "replica-b", &lease)?;
+    let (k, v) = scope.label();
+    let first = scope.name("first");
+    apply_pool(
+        &client,
+        &scope,
+        &first,
+        json!({ "nodeSelector": { "matchLabels": { k: v } } }),
+    )
+    .await?;
+    wait_gpunode(&client, &n, |_| true).await?;
+
+    // Kill the leader without letting it release the Lease.
+    a.kill();
+    let killed = Instant::now();
+    let second = scope.name("second");
+    apply_pool(
+        &client,
+        &scope,
+        &second,
+        json!({ "nodeSelector": { "matchLabels": { k: v } } }),
+    )
+    .await?;
+    let pool: GpuPool = wait::poll(
+        "the standby handles a new pool",
+        Duration::from_secs(15),
+        POLL,
+        || {
+            let api: Api<GpuPool> = Api::all(client.clone());
+            let second = second.clone();
+            async move {
+                let p = api.get(&second).await?;
+                Ok(p.status.is_some().then_some(p))
+            }
+        },
+    )
+    .await
+    .with_context(|| b.log_tail())?;
+    eprintln!("standby took over in {:?}", killed.elapsed());
+    assert_eq!(
+        lease_holder(&client, scope.namespace(), &lease)
+            .await?
+            .as_deref(),
+        Some("replica-b")
+    );
+    // The second pool matches the same node, which the first (older) pool keeps.
+    assert_eq!(condition(&pool, "Conflict").as_deref(), Some("True"));
+    delete_pool(&client, &second).await?;
+    delete_pool(&client, &first)
+        .await
+        .with_context(|| b.log_tail())?;
+    wait_gpunode_gone(&client, &n).await?;
+    Ok(())
+}

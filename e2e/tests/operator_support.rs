@@ -1,0 +1,426 @@
+//! Helpers shared by the operator and reclaim e2e tests (included with `#[path]`): running the
+//! built operator binary against the test cluster, the test's own kwok GPU nodes, GpuNode
+//! statuses written as the node agent would, and polling.
+//!
+//! Each test runs its own operator, restricted with `--pool-selector` to the test's pools, so
+//! tests running in parallel on one cluster never act on each other's objects.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use gpupool_crds::node::{CdiStatus, GpuNodeStatus, MigState, NodeMigStatus};
+use gpupool_crds::{GpuNode, GpuPool};
+use gpupool_e2e::{Cluster, TestScope, repo_root, wait};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+/// Polling interval for conditions the tests wait on.
+pub const POLL: Duration = Duration::from_millis(250);
+/// Deadline for the operator to react to a change.
+pub const REACT: Duration = Duration::from_secs(60);
+
+/// The operator binary, built once per test process.
+pub fn operator_binary() -> Result<PathBuf> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let target = std::env::var_os("CARGO_TARGET_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| repo_root().join("target"));
+            let bin = target.join("debug/gpupool-operator");
+            // Always ask cargo: a no-op when fresh, and a stale binary would test old code.
+            let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+                .args([
+                    "build",
+                    "-p",
+                    "gpupool-operator",
+                    "--bin",
+                    "gpupool-operator",
+                ])
+                .current_dir(repo_root())
+                .env("CARGO_TARGET_DIR", &target)
+                .stdin(Stdio::null())
+                .status()
+                .map_err(|e| format!("running cargo build: {e}"))?;
+            if !status.success() {
+                return Err(format!("cargo build -p gpupool-operator failed ({status})"));
+            }
+            if !bin.is_file() {
+                return Err(format!("{} was not built", bin.display()));
+            }
+            Ok(bin)
+        })
+        .clone()
+        .map_err(|e| anyhow::anyhow!(e))
+}
+
+/// A running operator process; killed on drop.
+pub struct Operator {
+    child: Child,
+    /// Its `--identity`.
+    pub identity: String,
+    /// Its log file.
+    pub log: PathBuf,
+}
+
+impl Operator {
+    /// Starts an operator managing the scope's pools, leader-elected on `lease`.
+    pub fn start(
+        cluster: &Cluster,
+        scope: &TestScope,
+        identity: &str,
+        lease: &str,
+    ) -> Result<Self> {
+        let bin = operator_binary()?;
+        let log = repo_root()
+            .join("target/e2e-tests")
+            .join(format!("operator-{}-{identity}.log", scope.prefix()));
+        if let Some(dir) = log.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let out = std::fs::File::create(&log)?;
+        let err = out.try_clone()?;
+        let child = Command::new(bin)
+            .args([
+                "--http-addr",
+                "127.0.0.1:0",
+                "--pool-selector",
+                &scope.selector(),
+                "--lease-name",
+                lease,
+                "--lease-namespace",
+                scope.namespace(),
+                "--identity",
+                identity,
+                "--lease-duration",
+                "6",
+                "--lease-grace",
+                "2",
+                "--reclaim-interval",
+                "1",
+                "--log",
+                "info,gpupool_operator=debug",
+            ])
+            .env("KUBECONFIG", cluster.kubeconfig())
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .context("starting gpupool-operator")?;
+        Ok(Self {
+            child,
+            identity: identity.to_owned(),
+            log,
+        })
+    }
+
+    /// Kills the process at once (SIGKILL): a crashed leader.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The tail of its log, for failure messages.
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Creates the scope's own kwok GPU node, labelled with the scope label (so the scope deletes
+/// it) plus `extra` labels. H100 × 8 unless `product` says otherwise.
+pub fn create_node(
+    cluster: &Cluster,
+    scope: &TestScope,
+    name: &str,
+    product: &str,
+    extra: &[(&str, &str)],
+) -> Result<String> {
+    scope.track_kind("nodes");
+    let (k, v) = scope.label();
+    let mut labels = format!(
+        "    {k}: {v}\n    kubernetes.io/hostname: {name}\n    type: kwok\n    nvidia.com/gpu.present: \"true\"\n    nvidia.com/gpu.product: {product}\n    nvidia.com/gpu.count: \"8\"\n"
+    );
+    for (k, v) in extra {
+        labels.push_str(&format!("    {k}: \"{v}\"\n"));
+    }
+    let manifest = format!(
+        r#"apiVersion: v1
+kind: Node
+metadata:
+  name: {name}
+  annotations:
+    node.alpha.kubernetes.io/ttl: "0"
+    kwok.x-k8s.io/node: fake
+  labels:
+{labels}status:
+  capacity: &r
+    cpu: "96"
+    memory: 1Ti
+    pods: "110"
+    nvidia.com/gpu: "8"
+  allocatable: *r
+"#
+    );
+    cluster
+        .kubectl()
+        .run_with_stdin(["create", "-f", "-"], Some(&manifest))?;
+    Ok(name.to_owned())
+}
+
+/// Applies a GpuPool from YAML `spec` text, named and labelled for the scope.
+pub async fn apply_pool(
+    client: &Client,
+    scope: &TestScope,
+    name: &str,
+    spec: serde_json::Value,
+) -> Result<GpuPool> {
+    scope.track_kind("gpupools.gpupool.io");
+    let (k, v) = scope.label();
+    let pool = json!({
+        "apiVersion": "gpupool.io/v1alpha1",
+        "kind": "GpuPool",
+        "metadata": { "name": name, "labels": { k: v } },
+        "spec": spec,
+    });
+    let api: Api<GpuPool> = Api::all(client.clone());
+    api.patch(
+        name,
+        &PatchParams::apply("gpupool-e2e").force(),
+        &Patch::Apply(&pool),
+    )
+    .await
+    .with_context(|| format!("applying GpuPool {name}"))
+}
+
+/// Polls a pool until `check` accepts it.
+pub async fn wait_pool<F>(client: &Client, name: &str, what: &str, check: F) -> Result<GpuPool>
+where
+    F: Fn(&GpuPool) -> bool,
+{
+    let api: Api<GpuPool> = Api::all(client.clone());
+    wait::poll(what, REACT, POLL, || {
+        let api = api.clone();
+        let check = &check;
+        async move {
+            let p = api.get(name).await?;
+            Ok(check(&p).then_some(p))
+        }
+    })
+    .await
+}
+
+/// The status of a pool condition.
+pub fn condition(pool: &GpuPool, type_: &str) -> Option<String> {
+    pool.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| c.status.clone())
+}
+
+/// Waits for the GpuNode of `node` to exist (and optionally satisfy `check`).
+pub async fn wait_gpunode<F>(client: &Client, node: &str, check: F) -> Result<GpuNode>
+where
+    F: Fn(&GpuNode) -> bool,
+{
+    let api: Api<GpuNode> = Api::all(client.clone());
+    wait::poll(&format!("GpuNode {node}"), REACT, POLL, || {
+        let api = api.clone();
+        let check = &check;
+        async move { Ok(api.get_opt(node).await?.filter(|g| check(g))) }
+    })
+    .await
+}
+
+/// Waits until the GpuNode of `node` is gone.
+pub async fn wait_gpunode_gone(client: &Client, node: &str) -> Result<()> {
+    let api: Api<GpuNode> = Api::all(client.clone());
+    wait::poll(&format!("GpuNode {node} deleted"), REACT, POLL, || {
+        let api = api.clone();
+        async move { Ok(api.get_opt(node).await?.is_none().then_some(())) }
+    })
+    .await
+}
+
+/// A healthy agent report for a GpuNode: validated, CDI written, MIG applied (when asked),
+/// generation observed. `edit` adjusts it.
+pub async fn report_status(
+    client: &Client,
+    node: &str,
+    edit: impl FnOnce(&mut GpuNodeStatus),
+) -> Result<()> {
+    let api: Api<GpuNode> = Api::all(client.clone());
+    let gn = api.get(node).await?;
+    let generation = gn.metadata.generation;
+    let mut status = GpuNodeStatus {
+        observed_generation: generation,
+        driver_version: Some("550.54.15".into()),
+        cuda_version: Some("12.4".into()),
+        gpu_count: 8,
+        healthy_gpus: 8,
+        validated: Some("True".into()),
+        cdi: Some(CdiStatus {
+            path: "/var/run/cdi/gpupool-nvidia.yaml".into(),
+            digest: "sha256:e2e".into(),
+            devices: 8,
+        }),
+        mig: NodeMigStatus {
+            state: if gn.spec.mig.managed {
+                MigState::Applied
+            } else {
+                MigState::Idle
+            },
+            observed_generation: generation,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    edit(&mut status);
+    let patch = json!({
+        "apiVersion": "gpupool.io/v1alpha1",
+        "kind": "GpuNode",
+        "status": status,
+    });
+    api.patch_status(
+        node,
+        &PatchParams::apply("e2e-agent").force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .with_context(|| format!("writing GpuNode {node} status"))?;
+    Ok(())
+}
+
+/// Node labels as they are now.
+pub async fn node_labels(client: &Client, node: &str) -> Result<BTreeMap<String, String>> {
+    let api: Api<Node> = Api::all(client.clone());
+    Ok(api.get(node).await?.labels().clone())
+}
+
+/// Sets (or with `None` removes) a node label.
+pub async fn set_node_label(
+    client: &Client,
+    node: &str,
+    key: &str,
+    value: Option<&str>,
+) -> Result<()> {
+    let api: Api<Node> = Api::all(client.clone());
+    api.patch(
+        node,
+        &PatchParams::default(),
+        &Patch::Merge(&json!({ "metadata": { "labels": { key: value } } })),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Deletes a pool and waits until it is gone (its finalizer done).
+pub async fn delete_pool(client: &Client, name: &str) -> Result<()> {
+    let api: Api<GpuPool> = Api::all(client.clone());
+    api.delete(name, &DeleteParams::default()).await?;
+    wait::poll(&format!("GpuPool {name} deleted"), REACT, POLL, || {
+        let api = api.clone();
+        async move { Ok(api.get_opt(name).await?.is_none().then_some(())) }
+    })
+    .await
+}
+
+/// Creates a pod on `node` holding one GPU (kwok runs it), with `annotations` and `labels`.
+pub async fn create_gpu_pod(
+    client: &Client,
+    scope: &TestScope,
+    name: &str,
+    node: Option<&str>,
+    gpus: u32,
+    annotations: &[(&str, &str)],
+    labels: &[(&str, &str)],
+) -> Result<Pod> {
+    let (k, v) = scope.label();
+    let mut label_map: BTreeMap<String, String> = labels
+        .iter()
+        .map(|(a, b)| ((*a).into(), (*b).into()))
+        .collect();
+    label_map.insert(k.into(), v.into());
+    let mut spec = json!({
+        "containers": [{
+            "name": "main",
+            "image": "registry.invalid/train:1",
+            "resources": { "limits": { "nvidia.com/gpu": gpus.to_string() } },
+        }],
+        "tolerations": [{ "operator": "Exists" }],
+        "terminationGracePeriodSeconds": 0,
+    });
+    if let Some(node) = node {
+        spec["nodeName"] = json!(node);
+    } else {
+        spec["nodeSelector"] = json!({ k: v });
+    }
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": label_map,
+            "annotations": annotations.iter().map(|(a, b)| ((*a).to_owned(), (*b).to_owned())).collect::<BTreeMap<_, _>>(),
+        },
+        "spec": spec,
+    }))?;
+    let api: Api<Pod> = Api::namespaced(client.clone(), scope.namespace());
+    Ok(api.create(&PostParams::default(), &pod).await?)
+}
+
+/// Waits until a pod is Running.
+pub async fn wait_running(client: &Client, ns: &str, name: &str) -> Result<Pod> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait::poll(&format!("pod {ns}/{name} Running"), REACT, POLL, || {
+        let api = api.clone();
+        async move {
+            let p = api.get(name).await?;
+            let running = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+            Ok(running.then_some(p))
+        }
+    })
+    .await
+}
+
+/// Fails unless `cond` holds.
+pub fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Result<()> {
+    if !cond {
+        bail!("{}", msg());
+    }
+    Ok(())
+}
+
+/// Waits until the node's pool label is `want` (`None`: absent).
+pub async fn wait_pool_label(client: &Client, node: &str, want: Option<&str>) -> Result<()> {
+    wait::poll(
+        &format!("{node} pool label {want:?}"),
+        REACT,
+        POLL,
+        || async move {
+            let labels = node_labels(client, node).await?;
+            Ok((labels
+                .get(gpupool_crds::labels::POOL_LABEL)
+                .map(String::as_str)
+                == want)
+                .then_some(()))
+        },
+    )
+    .await
+}
