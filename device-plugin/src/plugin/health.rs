@@ -681,4 +681,96 @@ mod tests {
         sleep.await;
         assert!(clock.now() >= deadline);
     }
+
+    /// Says "cleared" for GPU targets once `healthy` is set.
+    struct FlagProbe {
+        healthy: std::sync::atomic::AtomicBool,
+        calls: std::sync::atomic::AtomicU64,
+    }
+
+    impl HealthProbe for FlagProbe {
+        fn recheck<'a>(&'a self, _target: &'a HealthTarget) -> BoxFuture<'a, bool> {
+            use std::sync::atomic::Ordering;
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let healthy = self.healthy.load(Ordering::SeqCst);
+            Box::pin(async move { healthy })
+        }
+    }
+
+    fn layout() -> Advertisement {
+        let device = crate::plugin::model::AdvertisedDevice {
+            id: id("GPU-0"),
+            cdi_name: "0".into(),
+            health: Health::Healthy,
+            numa_node: None,
+            parent_gpu: 0,
+        };
+        Advertisement {
+            resources: [("nvidia.com/gpu".parse().unwrap(), vec![device])]
+                .into_iter()
+                .collect(),
+            topology: Arc::default(),
+        }
+    }
+
+    fn gpu0_health(rx: &watch::Receiver<Advertisement>) -> Health {
+        rx.borrow().resources.values().next().unwrap()[0]
+            .health
+            .clone()
+    }
+
+    #[tokio::test]
+    async fn monitor_rechecks_through_the_probe_and_recovers_after_hold_down() {
+        use std::sync::atomic::Ordering;
+        let clock = ManualClock::new();
+        let probe = Arc::new(FlagProbe {
+            healthy: false.into(),
+            calls: 0.into(),
+        });
+        let metrics = Arc::new(PluginMetrics::default());
+        let policy = HealthPolicy {
+            hold_down: Duration::from_secs(60),
+            recheck_interval: Duration::from_secs(10),
+            ..HealthPolicy::default()
+        };
+        let (_layout_tx, layout_rx) = watch::channel(layout());
+        let (events_tx, events_rx) = mpsc::channel(4);
+        let (out_tx, mut out_rx) = watch::channel(layout());
+        let cancel = CancellationToken::new();
+        let monitor = HealthMonitor::new(policy, metrics.clone())
+            .with_clock(clock.clone())
+            .with_probe(probe.clone());
+        let task = tokio::spawn(monitor.run(layout_rx, events_rx, out_tx, cancel.clone()));
+
+        events_tx
+            .send(ev(HealthTarget::Gpu(0), HealthEventKind::Xid(79)))
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), out_rx.wait_for(|a| a != &layout()))
+            .await
+            .expect("unhealthy published")
+            .unwrap();
+        assert!(!gpu0_health(&out_rx).is_healthy());
+
+        // A recheck that still sees the fault keeps it faulted.
+        clock.advance(Duration::from_secs(10));
+        while probe.calls.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        // The fault clears: the next recheck starts the hold-down, which then runs out.
+        probe.healthy.store(true, Ordering::SeqCst);
+        clock.advance(Duration::from_secs(10));
+        while probe.calls.load(Ordering::SeqCst) < 2 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!gpu0_health(&out_rx).is_healthy(), "still in hold-down");
+        clock.advance(Duration::from_secs(60));
+        tokio::time::timeout(Duration::from_secs(10), out_rx.wait_for(|a| a == &layout()))
+            .await
+            .expect("recovery published")
+            .unwrap();
+        assert_eq!(metrics.snapshot().health_healthy_transitions, 1);
+        cancel.cancel();
+        task.await.unwrap();
+    }
 }
