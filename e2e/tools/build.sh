@@ -8,6 +8,8 @@
 #
 #   build.sh                      build (or reuse) every tool
 #   build.sh kubectl etcd         build (or reuse) only these
+#   build.sh kubelet fakecri      the optional kubelet layer (a real kubelet on an
+#                                 in-memory CRI); never built unless named
 #   build.sh --print-bin-dir      print the bin dir for the current pins and exit
 #   build.sh --list               print the component names and exit
 #   build.sh --prune              remove binaries and logs built for other pins
@@ -29,23 +31,27 @@ BUILD_P=${GPUPOOL_GO_BUILD_P:-2}
 
 # component -> wrapper module directory and Go package, in build order.
 COMPONENTS=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm)
+# Built only when named on the command line.
+OPTIONAL_COMPONENTS=(kubelet fakecri)
 
 module_of() {
     case $1 in
-        kube-apiserver | kube-controller-manager | kube-scheduler | kubectl) echo kubernetes ;;
+        kube-apiserver | kube-controller-manager | kube-scheduler | kubectl | kubelet) echo kubernetes ;;
         etcd) echo etcd ;;
         kwok) echo kwok ;;
         helm) echo helm ;;
+        fakecri) echo fakecri ;;
         *) return 1 ;;
     esac
 }
 
 package_of() {
     case $1 in
-        kube-apiserver | kube-controller-manager | kube-scheduler | kubectl) echo "k8s.io/kubernetes/cmd/$1" ;;
+        kube-apiserver | kube-controller-manager | kube-scheduler | kubectl | kubelet) echo "k8s.io/kubernetes/cmd/$1" ;;
         etcd) echo go.etcd.io/etcd/server/v3 ;;
         kwok) echo sigs.k8s.io/kwok/cmd/kwok ;;
         helm) echo helm.sh/helm/v3/cmd/helm ;;
+        fakecri) echo gpupool.io/e2e/tools/fakecri ;;
         *) return 1 ;;
     esac
 }
@@ -55,7 +61,8 @@ pins_hash() {
     (
         cd "$TOOLS_DIR"
         for f in build.sh kubernetes/go.mod kubernetes/go.sum etcd/go.mod etcd/go.sum \
-            kwok/go.mod kwok/go.sum helm/go.mod helm/go.sum; do
+            kwok/go.mod kwok/go.sum helm/go.mod helm/go.sum \
+            fakecri/go.mod fakecri/go.sum fakecri/main.go; do
             printf '%s\n' "$f"
             cat "$f"
         done
@@ -132,8 +139,9 @@ ldflags_of() {
             done
             echo "$flags"
             ;;
-        etcd)
-            # etcd's version is a constant in go.etcd.io/etcd/api/v3/version.
+        etcd | fakecri)
+            # etcd's version is a constant in go.etcd.io/etcd/api/v3/version;
+            # fakecri has none.
             echo ""
             ;;
         kwok)
@@ -254,6 +262,7 @@ main() {
                 ;;
             --list)
                 printf '%s\n' "${COMPONENTS[@]}"
+                printf '%s (optional)\n' "${OPTIONAL_COMPONENTS[@]}"
                 return 0
                 ;;
             --prune)
@@ -270,7 +279,7 @@ main() {
                 ;;
             *)
                 if ! module_of "$1" >/dev/null; then
-                    echo "build.sh: unknown component '$1' (known: ${COMPONENTS[*]})" >&2
+                    echo "build.sh: unknown component '$1' (known: ${COMPONENTS[*]} ${OPTIONAL_COMPONENTS[*]})" >&2
                     return 2
                 fi
                 wanted+=("$1")
