@@ -8,7 +8,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_LABEL};
+use gpupool_crds::labels::DRIVER_INVALID_TAINT;
 use gpupool_crds::node::CheckResult;
 use gpupool_crds::{GpuNode, GpuPool};
 use gpupool_e2e::{Cluster, TestScope, crds, wait};
