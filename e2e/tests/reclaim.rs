@@ -1,0 +1,507 @@
+//! Idle-pod reclamation against the real control plane, with kwok running the pods and the
+//! test writing the GpuNode statuses a node agent would (idleSince set in the past, since
+//! idleAfter cannot be shorter than 5m).
+
+#[path = "operator_support.rs"]
+mod support;
+
+use std::collections::BTreeMap;
+
+use anyhow::{Context, Result};
+use gpupool_crds::labels::{IDLE_SINCE_ANNOTATION, RECLAIM_AT_ANNOTATION};
+use gpupool_crds::node::{Activity, GpuStatus, Idleness, PodRef};
+use gpupool_crds::pool::ReclaimRecord;
+use gpupool_e2e::{Cluster, TestScope, crds, wait};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{ListParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use support::*;
+
+/// What the fake agent says about one pod's GPU.
+#[derive(Clone, Copy)]
+enum Seen {
+    /// Idle for an hour.
+    Idle,
+    Busy,
+    Unknown,
+}
+
+fn gpu(index: u32, holder: &Pod, seen: Seen) -> GpuStatus {
+    let (activity, idle_since) = match seen {
+        Seen::Idle => (
+            Activity::Idle,
+            Some(Time(
+                Timestamp::now()
+                    .checked_sub(SignedDuration::from_hours(1))
+                    .unwrap_or(Timestamp::UNIX_EPOCH),
+            )),
+        ),
+        Seen::Busy => (Activity::Busy, None),
+        Seen::Unknown => (Activity::Unknown, None),
+    };
+    GpuStatus {
+        index,
+        uuid: format!("GPU-e2e-{index}"),
+        model: "NVIDIA H100 80GB HBM3".into(),
+        memory_mib: 81559,
+        pci_bus_id: format!("0000:{index:02x}:00.0"),
+        idleness: Idleness {
+            activity,
+            idle_since,
+            pods: vec![PodRef {
+                namespace: holder.namespace().unwrap_or_default(),
+                name: holder.name_any(),
+                container: Some("main".into()),
+            }],
+        },
+        ..Default::default()
+    }
+}
+
+/// Reports the node with these pods on its GPUs, one GPU each.
+async fn report_gpus(client: &Client, node: &str, holders: &[(&Pod, Seen)]) -> Result<()> {
+    let gpus: Vec<GpuStatus> = holders
+        .iter()
+        .enumerate()
+        .map(|(i, (p, seen))| gpu(i as u32, p, *seen))
+        .collect();
+    report_status(client, node, move |s| s.gpus = gpus).await
+}
+
+fn reclaim_spec(scope: &TestScope, extra: serde_json::Value) -> serde_json::Value {
+    let (k, v) = scope.label();
+    let mut reclaim = json!({
+        "mode": "Enforce",
+        "idleAfter": "5m",
+        "gracePeriod": "3s",
+        "startupGracePeriod": "0s",
+        "action": "Auto",
+    });
+    if let (Some(r), Some(e)) = (reclaim.as_object_mut(), extra.as_object()) {
+        for (key, value) in e {
+            r.insert(key.clone(), value.clone());
+        }
+    }
+    json!({ "nodeSelector": { "matchLabels": { k: v } }, "reclaim": reclaim })
+}
+
+/// A node, an operator and a pool with this reclaim policy; returns (node, pool, operator).
+async fn setup(
+    cluster: &'static Cluster,
+    scope: &TestScope,
+    client: &Client,
+    reclaim: serde_json::Value,
+) -> Result<(String, String, Operator)> {
+    crds::install(cluster).await?;
+    let node = create_node(
+        cluster,
+        scope,
+        &scope.name("n"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[],
+    )?;
+    let op = Operator::start(cluster, scope, "only", &scope.name("lease"))?;
+    let pool = scope.name("pool");
+    apply_pool(client, scope, &pool, reclaim_spec(scope, reclaim)).await?;
+    wait_gpunode(client, &node, |_| true)
+        .await
+        .with_context(|| op.log_tail())?;
+    Ok((node, pool, op))
+}
+
+async fn pod_now(client: &Client, ns: &str, name: &str) -> Result<Option<Pod>> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    Ok(api.get_opt(name).await?)
+}
+
+fn warned(pod: &Pod) -> bool {
+    let a = pod.annotations();
+    a.contains_key(IDLE_SINCE_ANNOTATION) && a.contains_key(RECLAIM_AT_ANNOTATION)
+}
+
+async fn wait_warned(client: &Client, ns: &str, name: &str) -> Result<Pod> {
+    wait::poll(&format!("{name} warned"), REACT, POLL, || async move {
+        Ok(pod_now(client, ns, name).await?.filter(warned))
+    })
+    .await
+}
+
+/// Waits until the pod is gone or being deleted (an eviction of a kwok pod).
+async fn wait_evicted(client: &Client, ns: &str, name: &str) -> Result<()> {
+    wait::poll(&format!("{name} evicted"), REACT, POLL, || async move {
+        let p = pod_now(client, ns, name).await?;
+        Ok(p.is_none_or(|p| p.metadata.deletion_timestamp.is_some())
+            .then_some(()))
+    })
+    .await
+}
+
+async fn history(client: &Client, pool: &str) -> Result<Vec<ReclaimRecord>> {
+    let api: Api<gpupool_crds::GpuPool> = Api::all(client.clone());
+    Ok(api
+        .get(pool)
+        .await?
+        .status
+        .map(|s| s.reclaim.history)
+        .unwrap_or_default())
+}
+
+async fn wait_history(
+    client: &Client,
+    pool: &str,
+    what: &str,
+    check: impl Fn(&ReclaimRecord) -> bool,
+) -> Result<ReclaimRecord> {
+    let check = &check;
+    wait::poll(what, REACT, POLL, || async move {
+        Ok(history(client, pool).await?.into_iter().find(|r| check(r)))
+    })
+    .await
+}
+
+async fn events_for(client: &Client, ns: &str, name: &str) -> Result<Vec<Event>> {
+    let api: Api<Event> = Api::namespaced(client.clone(), ns);
+    Ok(api
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .collect())
+}
+
+async fn create_job(client: &Client, scope: &TestScope, name: &str, node: &str) -> Result<Job> {
+    let (k, v) = scope.label();
+    let job: Job = serde_json::from_value(json!({
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": { "name": name, "labels": { k: v } },
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "metadata": { "labels": { k: v } },
+                "spec": {
+                    "nodeName": node,
+                    "restartPolicy": "Never",
+                    "tolerations": [{ "operator": "Exists" }],
+                    "containers": [{
+                        "name": "main",
+                        "image": "registry.invalid/train:1",
+                        "resources": { "limits": { "nvidia.com/gpu": "1" } },
+                    }],
+                },
+            },
+        },
+    }))?;
+    let api: Api<Job> = Api::namespaced(client.clone(), scope.namespace());
+    Ok(api.create(&PostParams::default(), &job).await?)
+}
+
+async fn job_pod(client: &Client, ns: &str, job: &str) -> Result<Pod> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let pod = wait::poll(&format!("pod of Job {job}"), REACT, POLL, || {
+        let api = api.clone();
+        async move {
+            let pods = api
+                .list(&ListParams::default().labels(&format!("job-name={job}")))
+                .await?;
+            Ok(pods.items.into_iter().next())
+        }
+    })
+    .await?;
+    wait_running(client, ns, &pod.name_any()).await
+}
+
+#[tokio::test]
+async fn idle_pods_are_warned_then_evicted_or_their_job_suspended() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "reclaim-act")?;
+    let client = cluster.client().await?;
+    let (node, pool, op) = setup(cluster, &scope, &client, json!({})).await?;
+    let ns = scope.namespace();
+    create_gpu_pod(&client, &scope, "bare", Some(&node), 1, &[], &[]).await?;
+    let bare = wait_running(&client, ns, "bare").await?;
+    create_job(&client, &scope, "train", &node).await?;
+    let job_pod = job_pod(&client, ns, "train").await?;
+    report_gpus(
+        &client,
+        &node,
+        &[(&bare, Seen::Idle), (&job_pod, Seen::Idle)],
+    )
+    .await?;
+
+    // Warned first, with an Event saying when and how to opt out.
+    let warned_bare = wait_warned(&client, ns, "bare")
+        .await
+        .with_context(|| op.log_tail())?;
+    let at: Timestamp = warned_bare.annotations()[RECLAIM_AT_ANNOTATION].parse()?;
+    let events = events_for(&client, ns, "bare").await?;
+    let warning = events
+        .iter()
+        .find(|e| e.reason.as_deref() == Some("IdleGPU"))
+        .context("no IdleGPU Event on the pod")?;
+    let note = warning.note.clone().unwrap_or_default();
+    assert!(note.contains("gpupool.io/reclaim=disabled"), "{note}");
+
+    // Then acted on at the deadline: the bare pod evicted, the Job suspended.
+    wait_evicted(&client, ns, "bare")
+        .await
+        .with_context(|| op.log_tail())?;
+    let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
+    wait::poll("Job suspended", REACT, POLL, || {
+        let jobs = jobs.clone();
+        async move {
+            let j = jobs.get("train").await?;
+            Ok((j.spec.and_then(|s| s.suspend) == Some(true)).then_some(()))
+        }
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    assert!(
+        Timestamp::now() >= at,
+        "acted before the announced deadline"
+    );
+    let evict = wait_history(&client, &pool, "Evict in history", |r| {
+        r.pod == format!("{ns}/bare") && r.action == "Evict"
+    })
+    .await?;
+    assert_eq!(evict.result, "Succeeded");
+    let suspend = wait_history(&client, &pool, "Suspend in history", |r| {
+        r.action == "Suspend"
+    })
+    .await?;
+    assert_eq!(suspend.owner.as_deref(), Some("Job/train"));
+    assert_eq!(suspend.result, "Succeeded");
+    // Each action once.
+    let h = history(&client, &pool).await?;
+    assert_eq!(
+        h.iter().filter(|r| r.result == "Succeeded").count(),
+        2,
+        "{h:?}"
+    );
+    delete_pool(&client, &pool).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn unknown_exempt_and_opted_out_pods_are_never_touched() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "reclaim-spare")?;
+    let client = cluster.client().await?;
+    let (node, pool, op) = setup(
+        cluster,
+        &scope,
+        &client,
+        json!({ "action": "Evict", "exemptions": { "podSelector": { "matchLabels": { "keep": "yes" } } } }),
+    )
+    .await?;
+    let ns = scope.namespace();
+    let later = Timestamp::now()
+        .checked_add(SignedDuration::from_hours(24))
+        .unwrap_or(Timestamp::MAX)
+        .to_string();
+    let until = format!("disabled-until={later}");
+    for (name, annotations, labels) in [
+        ("canary", vec![], vec![]),
+        ("unknown", vec![], vec![]),
+        ("nodata", vec![], vec![]),
+        ("exempt", vec![], vec![("keep", "yes")]),
+        ("optout", vec![("gpupool.io/reclaim", "disabled")], vec![]),
+        (
+            "optout-until",
+            vec![("gpupool.io/reclaim", until.as_str())],
+            vec![],
+        ),
+    ] {
+        create_gpu_pod(&client, &scope, name, Some(&node), 1, &annotations, &labels).await?;
+    }
+    let mut running = BTreeMap::new();
+    for name in [
+        "canary",
+        "unknown",
+        "nodata",
+        "exempt",
+        "optout",
+        "optout-until",
+    ] {
+        running.insert(name, wait_running(&client, ns, name).await?);
+    }
+    report_gpus(
+        &client,
+        &node,
+        &[
+            (&running["canary"], Seen::Idle),
+            (&running["unknown"], Seen::Unknown),
+            (&running["exempt"], Seen::Idle),
+            (&running["optout"], Seen::Idle),
+            (&running["optout-until"], Seen::Idle),
+        ],
+    )
+    .await?;
+    // The canary shows the reclaimer has run its course on this node.
+    wait_evicted(&client, ns, "canary")
+        .await
+        .with_context(|| op.log_tail())?;
+    for name in ["unknown", "nodata", "exempt", "optout", "optout-until"] {
+        let p = pod_now(&client, ns, name)
+            .await?
+            .with_context(|| format!("{name} is gone"))?;
+        assert!(
+            p.metadata.deletion_timestamp.is_none(),
+            "{name} is being deleted"
+        );
+        assert!(!warned(&p), "{name} was warned");
+    }
+    let h = history(&client, &pool).await?;
+    assert!(h.iter().all(|r| r.pod == format!("{ns}/canary")), "{h:?}");
+    delete_pool(&client, &pool).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn dry_run_evicts_nothing_and_busy_pods_are_unwarned() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "reclaim-dry")?;
+    let client = cluster.client().await?;
+    let (node, pool, op) = setup(
+        cluster,
+        &scope,
+        &client,
+        json!({ "mode": "DryRun", "action": "Evict" }),
+    )
+    .await?;
+    let ns = scope.namespace();
+    create_gpu_pod(&client, &scope, "idle", Some(&node), 1, &[], &[]).await?;
+    create_gpu_pod(&client, &scope, "wakes", Some(&node), 1, &[], &[]).await?;
+    let idle = wait_running(&client, ns, "idle").await?;
+    let wakes = wait_running(&client, ns, "wakes").await?;
+    report_gpus(&client, &node, &[(&idle, Seen::Idle), (&wakes, Seen::Idle)]).await?;
+    wait_warned(&client, ns, "wakes")
+        .await
+        .with_context(|| op.log_tail())?;
+
+    let record = wait_history(&client, &pool, "dry-run record", |r| {
+        r.pod == format!("{ns}/idle")
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    assert_eq!(record.action, "DryRun:Evict");
+    assert_eq!(record.result, "WouldSucceed");
+    let p = pod_now(&client, ns, "idle")
+        .await?
+        .context("dry run removed the pod")?;
+    assert!(p.metadata.deletion_timestamp.is_none());
+
+    // A pod busy again loses its warning.
+    report_gpus(&client, &node, &[(&idle, Seen::Idle), (&wakes, Seen::Busy)]).await?;
+    wait::poll("warning withdrawn", REACT, POLL, || {
+        let client = client.clone();
+        async move {
+            let p = pod_now(&client, ns, "wakes").await?;
+            Ok(p.filter(|p| !warned(p)).map(|_| ()))
+        }
+    })
+    .await?;
+    let events = events_for(&client, ns, "wakes").await?;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("IdleWarningWithdrawn")),
+        "no Event says the warning was withdrawn"
+    );
+    assert_eq!(
+        pod_now(&client, ns, "idle")
+            .await?
+            .and_then(|p| p.metadata.deletion_timestamp),
+        None
+    );
+    delete_pool(&client, &pool).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_pdb_allowing_no_disruption_blocks_the_eviction() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "reclaim-pdb")?;
+    let client = cluster.client().await?;
+    let (node, pool, op) = setup(cluster, &scope, &client, json!({ "action": "Evict" })).await?;
+    let ns = scope.namespace();
+    let pdb: PodDisruptionBudget = serde_json::from_value(json!({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": { "name": "guard" },
+        "spec": { "maxUnavailable": 0, "selector": { "matchLabels": { "app": "guarded" } } },
+    }))?;
+    Api::<PodDisruptionBudget>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &pdb)
+        .await?;
+    create_gpu_pod(
+        &client,
+        &scope,
+        "guarded",
+        Some(&node),
+        1,
+        &[],
+        &[("app", "guarded")],
+    )
+    .await?;
+    let p = wait_running(&client, ns, "guarded").await?;
+    report_gpus(&client, &node, &[(&p, Seen::Idle)]).await?;
+    let record = wait_history(&client, &pool, "blocked eviction", |r| {
+        r.pod == format!("{ns}/guarded")
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    assert_eq!(record.action, "Evict");
+    assert_eq!(record.result, "BlockedByPDB");
+    let p = pod_now(&client, ns, "guarded").await?.context("pod gone")?;
+    assert!(p.metadata.deletion_timestamp.is_none());
+    // Blocks are recorded once, not per retry.
+    let h = history(&client, &pool).await?;
+    assert_eq!(h.len(), 1, "{h:?}");
+    delete_pool(&client, &pool).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn only_under_pressure_waits_until_gpu_demand_is_pending() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "reclaim-pressure")?;
+    let client = cluster.client().await?;
+    let (node, pool, op) = setup(
+        cluster,
+        &scope,
+        &client,
+        json!({ "action": "Evict", "onlyUnderPressure": true }),
+    )
+    .await?;
+    let ns = scope.namespace();
+    create_gpu_pod(&client, &scope, "idle", Some(&node), 1, &[], &[]).await?;
+    let idle = wait_running(&client, ns, "idle").await?;
+    report_gpus(&client, &node, &[(&idle, Seen::Idle)]).await?;
+    wait_warned(&client, ns, "idle").await?;
+    // The operator says it is waiting for demand once the deadline has passed.
+    wait::poll("the reclaimer waits for demand", REACT, POLL, || async {
+        let log = std::fs::read_to_string(&op.log).unwrap_or_default();
+        Ok(log.contains("waiting for GPU demand").then_some(()))
+    })
+    .await?;
+    let p = pod_now(&client, ns, "idle").await?.context("pod gone")?;
+    assert!(
+        p.metadata.deletion_timestamp.is_none(),
+        "evicted without demand"
+    );
+    // A GPU pod that cannot be scheduled anywhere but the pool's nodes: demand.
+    create_gpu_pod(&client, &scope, "wants-gpus", None, 16, &[], &[]).await?;
+    wait_evicted(&client, ns, "idle")
+        .await
+        .with_context(|| op.log_tail())?;
+    delete_pool(&client, &pool).await?;
+    Ok(())
+}
