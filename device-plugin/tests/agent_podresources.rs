@@ -1,0 +1,168 @@
+//! Device → pod mapping through a stand-in kubelet PodResources server on a unix socket, and
+//! idleness samples from a simulated node.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpupool_crds::node::{Activity, PodRef};
+use gpupool_device_plugin::backend::{ManualClock, SimBackend};
+use gpupool_device_plugin::inventory::Inventory;
+use gpupool_device_plugin::plugin::api::podresources_v1::pod_resources_lister_server::{
+    PodResourcesLister, PodResourcesListerServer,
+};
+use gpupool_device_plugin::plugin::api::podresources_v1::{
+    AllocatableResourcesRequest, AllocatableResourcesResponse, ContainerDevices,
+    ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
+    ListPodResourcesResponse, PodResources,
+};
+use gpupool_device_plugin::utilization::{self, IdleTracker, PodResourcesError};
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::{Request, Response, Status};
+
+struct Kubelet;
+
+fn pod(ns: &str, name: &str, container: &str, resource: &str, ids: &[&str]) -> PodResources {
+    PodResources {
+        name: name.into(),
+        namespace: ns.into(),
+        containers: vec![ContainerResources {
+            name: container.into(),
+            devices: vec![ContainerDevices {
+                resource_name: resource.into(),
+                device_ids: ids.iter().map(|s| (*s).to_owned()).collect(),
+                topology: None,
+            }],
+            ..Default::default()
+        }],
+    }
+}
+
+#[tonic::async_trait]
+impl PodResourcesLister for Kubelet {
+    async fn list(
+        &self,
+        _: Request<ListPodResourcesRequest>,
+    ) -> Result<Response<ListPodResourcesResponse>, Status> {
+        Ok(Response::new(ListPodResourcesResponse {
+            pod_resources: vec![
+                pod(
+                    "ml",
+                    "train-0",
+                    "main",
+                    "nvidia.com/gpu",
+                    &["GPU-a", "GPU-b"],
+                ),
+                pod(
+                    "ml",
+                    "infer-0",
+                    "server",
+                    "nvidia.com/mig-1g.10gb",
+                    &["MIG-c"],
+                ),
+                pod("net", "sriov", "c", "intel.com/sriov", &["GPU-a"]),
+            ],
+        }))
+    }
+
+    async fn get_allocatable_resources(
+        &self,
+        _: Request<AllocatableResourcesRequest>,
+    ) -> Result<Response<AllocatableResourcesResponse>, Status> {
+        Err(Status::unimplemented("not needed"))
+    }
+
+    async fn get(
+        &self,
+        _: Request<GetPodResourcesRequest>,
+    ) -> Result<Response<GetPodResourcesResponse>, Status> {
+        Err(Status::unimplemented("not needed"))
+    }
+}
+
+#[tokio::test]
+async fn maps_devices_to_pods_from_the_kubelet() {
+    let tmp = tempfile::tempdir().unwrap();
+    let socket = tmp.path().join("kubelet.sock");
+    let missing = utilization::list_pod_devices(&socket, Duration::from_secs(1)).await;
+    assert!(
+        matches!(missing, Err(PodResourcesError::Missing(_))),
+        "{missing:?}"
+    );
+
+    let listener = UnixListener::bind(&socket).unwrap();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(PodResourcesListerServer::new(Kubelet))
+            .serve_with_incoming(UnixListenerStream::new(listener)),
+    );
+    let map = utilization::list_pod_devices(&socket, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let holder = |ns: &str, name: &str, c: &str| PodRef {
+        namespace: ns.into(),
+        name: name.into(),
+        container: Some(c.into()),
+    };
+    assert_eq!(
+        map.get("GPU-a"),
+        Some(&vec![holder("ml", "train-0", "main")]),
+        "non-GPU resources are ignored"
+    );
+    assert_eq!(
+        map.get("GPU-b"),
+        Some(&vec![holder("ml", "train-0", "main")])
+    );
+    assert_eq!(
+        map.get("MIG-c"),
+        Some(&vec![holder("ml", "infer-0", "server")])
+    );
+    assert_eq!(map.len(), 3);
+    server.abort();
+}
+
+#[test]
+fn samples_whole_gpus_by_utilization_and_never_calls_unknown_idle() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/faults.yaml");
+    let clock = ManualClock::new();
+    let backend = SimBackend::from_file(&fixture, Arc::new(clock.clone())).unwrap();
+    let inv = Inventory::read(&backend).unwrap();
+    clock.set(10.0);
+    let samples = utilization::sample(&backend, &inv, 5);
+    let by_index = |i: usize| samples[inv.gpus[i].device.uuid.as_str()];
+    // GPU 0 busy (88 %) with a process; GPU 1 idle; GPU 2 idle until 50 s.
+    assert_eq!(by_index(0).activity, Activity::Busy);
+    assert_eq!(by_index(0).utilization_percent, Some(88));
+    assert_eq!(by_index(0).memory_used_mib, Some(4096));
+    assert_eq!(by_index(1).activity, Activity::Idle);
+    assert_eq!(by_index(2).activity, Activity::Idle);
+    clock.set(60.0);
+    let later = utilization::sample(&backend, &inv, 5);
+    assert_eq!(
+        later[inv.gpus[2].device.uuid.as_str()].activity,
+        Activity::Busy
+    );
+
+    let mut tracker = IdleTracker::new(2);
+    let now = k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap();
+    let acts: BTreeMap<String, Activity> = samples
+        .iter()
+        .map(|(k, s)| (k.clone(), s.activity))
+        .collect();
+    tracker.observe(&acts, now);
+    tracker.observe(&acts, now);
+    assert!(
+        tracker
+            .idleness(inv.gpus[1].device.uuid.as_str(), vec![])
+            .idle_since
+            .is_some()
+    );
+    assert!(
+        tracker
+            .idleness(inv.gpus[0].device.uuid.as_str(), vec![])
+            .idle_since
+            .is_none()
+    );
+}
