@@ -1,0 +1,543 @@
+//! The Helm chart (`charts/gpupool`) against the real control plane:
+//!
+//! - `helm lint --strict` passes;
+//! - `helm template` with the default values and with a set of non-default values renders
+//!   objects the apiserver accepts under `kubectl apply --dry-run=server --validate=strict`:
+//!   the real OpenAPI schemas (including the CRDs' and admission), unknown fields rejected.
+//!   This is stronger than an offline schema check such as kubeconform, so we use it instead;
+//! - a wrong value fails `helm template` and `helm install` with values.schema.json's message
+//!   naming the value;
+//! - `helm install` brings every object up with the CRDs Established; `helm upgrade` applies a
+//!   change; `helm uninstall` removes the release's objects and keeps the CRDs;
+//! - the Dockerfiles build in stages from pinned bases, the operator's as a non-root user.
+
+#[path = "chart_support.rs"]
+mod support;
+
+use std::fs;
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use gpupool_e2e::manifest::parse_objects;
+use gpupool_e2e::wait::poll;
+use gpupool_e2e::{Cluster, TestScope, Tools, crds, repo_root};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Api;
+use kube::runtime::wait::{await_condition, conditions};
+use support::{Release, chart_dir, helm, helm_try};
+
+const CRDS: [&str; 2] = ["gpupools.gpupool.io", "gpunodes.gpupool.io"];
+
+fn chart_path() -> String {
+    chart_dir().to_string_lossy().into_owned()
+}
+
+/// `helm template` output for `release` in `namespace` with `--set` values.
+fn template(tools: &Tools, release: &str, namespace: &str, sets: &[&str]) -> Result<String> {
+    let chart = chart_path();
+    let mut args = vec!["template", release, &chart, "-n", namespace];
+    for s in sets {
+        args.extend(["--set", s]);
+    }
+    helm(tools, None, &args)
+}
+
+/// The `kind/name` of every object in a rendered manifest.
+fn kinds_and_names(rendered: &str) -> Result<Vec<String>> {
+    Ok(parse_objects(rendered, std::path::Path::new("helm-template"))?
+        .into_iter()
+        .map(|m| {
+            format!(
+                "{}/{}",
+                m.object
+                    .types
+                    .as_ref()
+                    .map(|t| t.kind.clone())
+                    .unwrap_or_default(),
+                m.object.metadata.name.clone().unwrap_or_default()
+            )
+        })
+        .collect())
+}
+
+#[test]
+fn chart_lints_strictly() -> Result<()> {
+    let tools = Tools::ensure()?;
+    let out = helm(&tools, None, &["lint", "--strict", &chart_path()])?;
+    assert!(out.contains("1 chart(s) linted, 0 chart(s) failed"), "{out}");
+    Ok(())
+}
+
+#[test]
+fn crd_templates_are_kept_on_uninstall_and_optional() -> Result<()> {
+    let tools = Tools::ensure()?;
+    let with = template(&tools, "gpupool", "gpupool-system", &[])?;
+    for crd in CRDS {
+        assert!(
+            with.contains(&format!("name: {crd}")),
+            "{crd} missing from the default render"
+        );
+    }
+    assert_eq!(with.matches("helm.sh/resource-policy: keep").count(), 2);
+    let without = template(&tools, "gpupool", "gpupool-system", &["crds.install=false"])?;
+    assert!(!without.contains("kind: CustomResourceDefinition"));
+    Ok(())
+}
+
+#[test]
+fn default_render_has_the_documented_shape() -> Result<()> {
+    let tools = Tools::ensure()?;
+    let text = template(&tools, "gpupool", "gpupool-system", &[])?;
+    let objects = kinds_and_names(&text)?;
+    for wanted in [
+        "Namespace/gpupool-node",
+        "ServiceAccount/gpupool-operator",
+        "ServiceAccount/gpupool-agent",
+        "ClusterRole/gpupool-operator",
+        "ClusterRole/gpupool-agent",
+        "Role/gpupool-operator-leader-election",
+        "Role/gpupool-agent-events",
+        "Deployment/gpupool-operator",
+        "DaemonSet/gpupool-agent",
+        "Service/gpupool-operator-metrics",
+        "ValidatingAdmissionPolicy/gpupool-agent-own-node",
+        "ValidatingAdmissionPolicyBinding/gpupool-agent-own-node",
+    ] {
+        assert!(
+            objects.iter().any(|o| o == wanted),
+            "{wanted} not rendered; got {objects:?}"
+        );
+    }
+    let docs = parse_objects(&text, std::path::Path::new("helm-template"))?;
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .find(|m| {
+                m.object.types.as_ref().is_some_and(|t| t.kind == kind)
+                    && m.object.metadata.name.as_deref() == Some(name)
+            })
+            .map(|m| m.object.data.clone())
+            .with_context(|| format!("{kind}/{name}"))
+    };
+
+    let deploy = find("Deployment", "gpupool-operator")?;
+    assert_eq!(deploy["spec"]["replicas"], 2);
+    let pod = &deploy["spec"]["template"]["spec"];
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    let c = &pod["containers"][0];
+    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert!(c["resources"]["limits"]["memory"].is_string());
+
+    let ds = find("DaemonSet", "gpupool-agent")?;
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["priorityClassName"], "system-node-critical");
+    let terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        ["nodeSelectorTerms"]
+        .as_array()
+        .context("nodeSelectorTerms")?;
+    let keys: Vec<_> = terms
+        .iter()
+        .map(|t| t["matchExpressions"][0]["key"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "nvidia.com/gpu.present",
+            "feature.node.kubernetes.io/pci-10de.present"
+        ]
+    );
+    let c = &pod["containers"][0];
+    assert_eq!(c["env"][0]["name"], "NODE_NAME");
+    assert_eq!(
+        c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"],
+        "spec.nodeName"
+    );
+    let mounts: Vec<(String, bool)> = c["volumeMounts"]
+        .as_array()
+        .context("volumeMounts")?
+        .iter()
+        .map(|m| {
+            (
+                m["mountPath"].as_str().unwrap_or_default().to_owned(),
+                m["readOnly"].as_bool().unwrap_or(false),
+            )
+        })
+        .collect();
+    assert_eq!(
+        mounts,
+        [
+            ("/var/lib/kubelet/device-plugins".to_owned(), false),
+            ("/var/lib/kubelet/pod-resources".to_owned(), true),
+            ("/var/run/cdi".to_owned(), false),
+            ("/dev".to_owned(), true),
+            ("/usr".to_owned(), true),
+            ("/lib".to_owned(), true),
+        ]
+    );
+
+    // The operator's pod delete is opt-in.
+    let role = find("ClusterRole", "gpupool-operator")?;
+    let pod_rule = role["rules"]
+        .as_array()
+        .context("rules")?
+        .iter()
+        .find(|r| r["resources"][0] == "pods")
+        .context("no pods rule")?;
+    assert!(!pod_rule["verbs"].to_string().contains("delete"));
+    let text = template(
+        &tools,
+        "gpupool",
+        "gpupool-system",
+        &["operator.rbac.allowPodDelete=true"],
+    )?;
+    assert!(text.contains("verbs: [get, list, watch, patch, delete]"));
+    Ok(())
+}
+
+/// Renders with `sets` and applies with `--dry-run=server --validate=strict`; returns what
+/// kubectl printed.
+fn server_dry_run(cluster: &Cluster, release: &str, ns: &str, sets: &[&str]) -> Result<String> {
+    let rendered = template(cluster.tools(), release, ns, sets)?;
+    let run = cluster.kubectl().try_run(
+        [
+            "apply",
+            "--dry-run=server",
+            "--validate=strict",
+            "-f",
+            "-",
+        ],
+        Some(&rendered),
+    )?;
+    ensure!(
+        run.success,
+        "the apiserver rejected the chart rendered with {sets:?}:\n{}",
+        run.stderr
+    );
+    Ok(run.stdout)
+}
+
+#[tokio::test]
+async fn rendered_chart_passes_strict_server_side_validation() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    // The default pool (a GpuPool) is validated by the CRD's schema: the CRDs must exist.
+    crds::install(cluster).await?;
+    let scope = TestScope::new(cluster, "chart-dry-run")?;
+    let release = scope.name("r");
+    // Objects in the agent namespace the chart creates are only accepted once it exists; a
+    // dry run does not create it.
+    let agent_ns = format!("{release}-node");
+    cluster.kubectl().run(["create", "namespace", &agent_ns])?;
+    let _cleanup = NamespaceGuard(cluster, agent_ns.clone());
+
+    let out = server_dry_run(cluster, &release, scope.namespace(), &[])?;
+    assert!(
+        out.contains("daemonset.apps/") && out.contains("(server dry run)"),
+        "{out}"
+    );
+
+    let agent_ns_value = format!("agent.namespace.name={}", scope.namespace());
+    let pool_name = format!("defaultPool.name={}", scope.name("pool"));
+    let out = server_dry_run(
+        cluster,
+        &release,
+        scope.namespace(),
+        &[
+            "crds.install=false",
+            "operator.replicas=3",
+            "operator.leaderElection.enabled=false",
+            "operator.poolSelector=tier=gpu",
+            "operator.logJson=false",
+            "operator.rbac.allowPodDelete=true",
+            "operator.image.digest=sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+            "agent.namespace.create=false",
+            &agent_ns_value,
+            "agent.privileged=false",
+            "agent.runtimeClassName=nvidia",
+            "agent.hostPaths.driverRoot=/run/nvidia/driver",
+            "agent.hostPaths.cdiDir=/etc/cdi",
+            "agent.admissionPolicy.enabled=false",
+            "agent.nodeSelector.pool=gpu",
+            "agent.gpuNodeLabels[0].key=example.com/accelerator",
+            "agent.gpuNodeLabels[0].value=nvidia",
+            "defaultPool.enabled=true",
+            &pool_name,
+            "commonLabels.team=ml",
+        ],
+    )?;
+    assert!(out.contains("gpupool.gpupool.io/"), "{out}");
+    assert!(!out.contains("customresourcedefinition"), "{out}");
+    assert!(!out.contains("validatingadmissionpolicy"), "{out}");
+    Ok(())
+}
+
+struct NamespaceGuard(&'static Cluster, String);
+
+impl Drop for NamespaceGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kubectl().run([
+            "delete",
+            "namespace",
+            &self.1,
+            "--ignore-not-found",
+            "--wait=false",
+        ]);
+    }
+}
+
+#[tokio::test]
+async fn wrong_values_fail_with_the_schema_message() -> Result<()> {
+    let tools = Tools::ensure()?;
+    let chart = chart_path();
+    for (set, expected) in [
+        (
+            "operator.replica=3",
+            "at '/operator': additional properties 'replica' not allowed",
+        ),
+        (
+            "agent.hostPaths.cdiDir=var/run/cdi",
+            "at '/agent/hostPaths/cdiDir'",
+        ),
+        ("agent.backend=cuda", "at '/agent/backend'"),
+        ("operator.metricsPort=70000", "at '/operator/metricsPort'"),
+        ("crds.install=yes", "at '/crds/install'"),
+    ] {
+        let run = helm_try(&tools, None, &["template", "x", &chart, "--set", set])?;
+        assert!(!run.success, "{set} was accepted");
+        assert!(
+            run.stderr.contains("values don't meet the specifications of the schema")
+                && run.stderr.contains(expected),
+            "{set}: {}",
+            run.stderr
+        );
+    }
+
+    // The same check stops `helm install` before anything reaches the cluster.
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "chart-bad-value")?;
+    let release = scope.name("r");
+    let run = helm_try(
+        &tools,
+        Some(cluster.kubeconfig()),
+        &[
+            "install",
+            &release,
+            &chart,
+            "-n",
+            scope.namespace(),
+            "--set",
+            "agent.hostPaths.cdiDir=var/run/cdi",
+        ],
+    )?;
+    assert!(!run.success);
+    assert!(
+        run.stderr.contains("at '/agent/hostPaths/cdiDir'"),
+        "{}",
+        run.stderr
+    );
+    let list = helm(
+        &tools,
+        Some(cluster.kubeconfig()),
+        &["list", "-n", scope.namespace(), "-q", "--all"],
+    )?;
+    assert!(list.trim().is_empty(), "a release was recorded: {list}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn install_upgrade_and_uninstall_keep_the_crds() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "chart-install")?;
+    let kubectl = cluster.kubectl();
+    let name = scope.name("gpupool");
+    // The CRDs may already be there, applied by other tests without helm: take them over.
+    let release = install_taking_ownership(cluster, &name, scope.namespace())?;
+
+    let client = cluster.client().await?;
+    let crd_api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for crd in CRDS {
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            await_condition(crd_api.clone(), crd, conditions::is_crd_established()),
+        )
+        .await
+        .with_context(|| format!("{crd} not Established"))??;
+        let got = crd_api.get(crd).await?;
+        assert_eq!(
+            got.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("meta.helm.sh/release-name")),
+            Some(&name),
+            "{crd} is not owned by the release"
+        );
+    }
+
+    // Every object of the release exists.
+    let manifest = helm(
+        cluster.tools(),
+        Some(cluster.kubeconfig()),
+        &["get", "manifest", &name, "-n", scope.namespace()],
+    )?;
+    let objects = kinds_and_names(&manifest)?;
+    ensure!(objects.len() >= 18, "only {objects:?}");
+    let got = kubectl.run_with_stdin(["get", "-f", "-", "-o", "name"], Some(&manifest))?;
+    assert_eq!(got.lines().count(), objects.len(), "{got}");
+
+    // The workloads came up (kwok runs their pods).
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), scope.namespace());
+    let deploy = deployments.get(&release.operator_name()).await?;
+    assert_eq!(
+        deploy.status.as_ref().and_then(|s| s.ready_replicas),
+        Some(2)
+    );
+    let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), &release.agent_namespace);
+    let ds = daemonsets.get(&release.agent_name()).await?;
+    let status = ds.status.clone().unwrap_or_default();
+    ensure!(
+        status.desired_number_scheduled >= 1
+            && status.number_ready == status.desired_number_scheduled,
+        "agent DaemonSet not ready: {status:?}"
+    );
+
+    // Upgrade: one operator replica, debug logs.
+    release.upgrade(&["operator.replicas=1", "operator.logLevel=debug"])?;
+    let history = helm(
+        cluster.tools(),
+        Some(cluster.kubeconfig()),
+        &["history", &name, "-n", scope.namespace(), "-o", "json"],
+    )?;
+    let history: serde_json::Value = serde_json::from_str(&history)?;
+    assert_eq!(history.as_array().map(Vec::len), Some(2), "{history}");
+    let deploy = deployments.get(&release.operator_name()).await?;
+    assert_eq!(deploy.spec.as_ref().and_then(|s| s.replicas), Some(1));
+    let args = deploy
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.containers[0].args.clone())
+        .unwrap_or_default();
+    assert!(args.iter().any(|a| a == "--log=debug"), "{args:?}");
+
+    // Uninstall: the release's objects go, the CRDs stay.
+    helm(
+        cluster.tools(),
+        Some(cluster.kubeconfig()),
+        &["uninstall", &name, "-n", scope.namespace(), "--wait"],
+    )?;
+    poll(
+        "the operator Deployment deleted",
+        Duration::from_secs(60),
+        Duration::from_millis(250),
+        || {
+            let deployments = deployments.clone();
+            let op = release.operator_name();
+            async move { Ok(deployments.get_opt(&op).await?.is_none().then_some(())) }
+        },
+    )
+    .await?;
+    for crd in CRDS {
+        ensure!(
+            crd_api.get_opt(crd).await?.is_some(),
+            "{crd} was deleted by helm uninstall"
+        );
+    }
+    let cluster_roles = kubectl.run([
+        "get",
+        "clusterroles",
+        "-l",
+        &format!("app.kubernetes.io/instance={name}"),
+        "-o",
+        "name",
+    ])?;
+    assert!(cluster_roles.trim().is_empty(), "{cluster_roles}");
+    drop(release);
+    Ok(())
+}
+
+/// `helm install --take-ownership` (helm >= 3.17): the CRDs may already exist, applied by
+/// other tests without helm; the release adopts them.
+fn install_taking_ownership(
+    cluster: &'static Cluster,
+    name: &str,
+    namespace: &str,
+) -> Result<Release> {
+    Release::install_with_args(
+        cluster,
+        name,
+        namespace,
+        &["--take-ownership"],
+        &["crds.install=true"],
+    )
+}
+
+#[test]
+fn dockerfiles_build_in_stages_from_pinned_bases() -> Result<()> {
+    for (path, needs_non_root) in [
+        ("operator/Dockerfile", true),
+        ("device-plugin/Dockerfile", false),
+    ] {
+        let text = fs::read_to_string(repo_root().join(path))
+            .with_context(|| format!("reading {path}"))?;
+        let instructions: Vec<(String, String)> = text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .filter_map(|l| {
+                let (op, rest) = l.split_once(char::is_whitespace)?;
+                Some((op.to_ascii_uppercase(), rest.trim().to_owned()))
+            })
+            .collect();
+        let froms: Vec<&String> = instructions
+            .iter()
+            .filter(|(op, _)| op == "FROM")
+            .map(|(_, rest)| rest)
+            .collect();
+        ensure!(froms.len() >= 2, "{path}: not a multi-stage build");
+        ensure!(
+            froms[0].to_ascii_lowercase().contains(" as build"),
+            "{path}: the first stage is not `FROM … AS build`: {}",
+            froms[0]
+        );
+        for from in &froms {
+            let image = from.split_whitespace().next().unwrap_or_default();
+            if image == "build" || image == "scratch" {
+                continue;
+            }
+            let tagged = image.rsplit('/').next().is_some_and(|last| last.contains(':'));
+            ensure!(
+                tagged || image.contains('@'),
+                "{path}: {image} has no tag"
+            );
+            ensure!(
+                !image.ends_with(":latest"),
+                "{path}: {image} uses the latest tag"
+            );
+        }
+        ensure!(
+            instructions
+                .iter()
+                .any(|(op, rest)| op == "COPY" && rest.contains("--from=build")),
+            "{path}: the final stage copies nothing from the build stage"
+        );
+        let user = instructions
+            .iter()
+            .rev()
+            .find(|(op, _)| op == "USER")
+            .map(|(_, u)| u.clone());
+        if needs_non_root {
+            let user = user.with_context(|| format!("{path}: no USER"))?;
+            ensure!(
+                user != "root" && user != "0" && !user.starts_with("0:"),
+                "{path}: runs as {user}"
+            );
+        }
+        ensure!(
+            instructions.iter().any(|(op, _)| op == "ENTRYPOINT"),
+            "{path}: no ENTRYPOINT"
+        );
+    }
+    Ok(())
+}
