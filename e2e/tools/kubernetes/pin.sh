@@ -32,7 +32,7 @@ mapfile -t modules < <(sed -n 's|^[[:space:]]*\(k8s.io/[^ ]*\) => ./staging/.*|\
     echo "go $godirective"
     echo
     echo "tool ("
-    for t in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+    for t in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet; do
         printf '\tk8s.io/kubernetes/cmd/%s\n' "$t"
     done
     echo ")"
