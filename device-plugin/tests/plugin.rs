@@ -604,3 +604,73 @@ async fn graceful_shutdown_removes_the_sockets() {
     assert_eq!(after, BTreeSet::from(["kubelet.sock".to_owned()]));
     h.kubelet.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_hung_kubelet_delays_neither_device_updates_nor_shutdown() {
+    use gpupool_device_plugin::plugin::api::v1beta1::Empty;
+    use gpupool_device_plugin::plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
+    use gpupool_device_plugin::plugin::connect_unix;
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    // A kubelet.sock that accepts connections into its backlog but never answers.
+    let _hung = tokio::net::UnixListener::bind(dir.path().join("kubelet.sock")).expect("bind");
+    let (tx, rx) = watch::channel(advertisement(
+        &[gpu(0, &[])],
+        MigStrategy::None,
+        Topology::new(),
+    ));
+    let cancel = CancellationToken::new();
+    let config = PluginConfig {
+        rpc_timeout: Duration::from_secs(3600),
+        ..test_config(dir.path())
+    };
+    let plugins = tokio::spawn(run_plugins(
+        config,
+        rx,
+        Arc::new(PluginMetrics::default()),
+        cancel.clone(),
+    ));
+
+    let socket = dir.path().join("gpupool-nvidia.com-gpu.sock");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !socket.exists() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "plugin socket never appeared"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let channel = connect_unix(&socket, WAIT).await.expect("connect");
+    let mut stream = DevicePluginClient::new(channel)
+        .list_and_watch(Empty {})
+        .await
+        .expect("stream")
+        .into_inner();
+    let first = tokio::time::timeout(WAIT, stream.message())
+        .await
+        .expect("first list")
+        .expect("ok")
+        .expect("some");
+    assert_eq!(first.devices.len(), 1);
+
+    // Registration is stuck inside Register; a new GPU must still reach the stream.
+    tx.send_replace(advertisement(
+        &[gpu(0, &[]), gpu(1, &[])],
+        MigStrategy::None,
+        Topology::new(),
+    ));
+    let second = tokio::time::timeout(WAIT, stream.message())
+        .await
+        .expect("second list")
+        .expect("ok")
+        .expect("some");
+    assert_eq!(ids(&second.devices), vec![uuid(0), uuid(1)]);
+
+    cancel.cancel();
+    tokio::time::timeout(WAIT, plugins)
+        .await
+        .expect("prompt shutdown")
+        .expect("join")
+        .expect("plugins");
+    assert!(!socket.exists());
+}
