@@ -16,3 +16,6 @@ pub mod reclaim_run;
 pub mod startup;
 
 pub use error::{Error, Result};
+
+#[cfg(test)]
+mod fixtures;

@@ -1,0 +1,290 @@
+//! Reconcile tests against kube's mock service: each test states, request by request, what
+//! the reconciler must send, and fails on anything else (controller-rs's `ApiServerVerifier`).
+
+use std::sync::{Arc, Mutex};
+
+use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
+use gpupool_crds::{GpuNode, GpuPool};
+use http::{Method, Request, Response};
+use k8s_openapi::api::core::v1::{Node, NodeSpec, Taint};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::client::Body;
+use kube::core::DeserializeGuard;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{self, store::Writer};
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use serde_json::Value;
+use tower_test::mock::{self, Handle};
+
+use crate::controller::{Context, Settings, reconcile};
+use crate::metrics::Metrics;
+use crate::pool::tests::{labels, pool, ready_gpunode};
+use crate::pool::{self, Member, StatusInput};
+
+type ApiHandle = Handle<Request<Body>, Response<Body>>;
+
+/// One request the reconciler must make, and what the server answers.
+struct Expect {
+    method: Method,
+    /// The path must end with this.
+    path_suffix: String,
+    /// Checks on the JSON body.
+    check: Box<dyn Fn(&Value) + Send>,
+    /// Answer: `None` echoes the request body back.
+    answer: Option<Value>,
+}
+
+fn expect(method: Method, path_suffix: &str, check: impl Fn(&Value) + Send + 'static) -> Expect {
+    Expect {
+        method,
+        path_suffix: path_suffix.to_owned(),
+        check: Box::new(check),
+        answer: None,
+    }
+}
+
+/// Serves the expected requests in order, then asserts no other request comes.
+async fn verify(mut handle: ApiHandle, expected: Vec<Expect>) {
+    for (i, e) in expected.into_iter().enumerate() {
+        let Some((request, send)) = handle.next_request().await else {
+            panic!("request {i} ({} …{}) never came", e.method, e.path_suffix);
+        };
+        let path = request.uri().path().to_owned();
+        assert_eq!(request.method(), e.method, "request {i}: {path}");
+        assert!(
+            path.ends_with(&e.path_suffix),
+            "request {i}: {path} does not end with {}",
+            e.path_suffix
+        );
+        let bytes = request.into_body().collect_bytes().await.unwrap();
+        let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        (e.check)(&body);
+        let answer = e.answer.unwrap_or(body);
+        send.send_response(
+            Response::builder()
+                .body(Body::from(serde_json::to_vec(&answer).unwrap()))
+                .unwrap(),
+        );
+    }
+    if let Some((request, _)) = handle.next_request().await {
+        panic!(
+            "unexpected request {} {}",
+            request.method(),
+            request.uri().path()
+        );
+    }
+}
+
+struct Fixture {
+    ctx: Arc<Context>,
+    pools: Writer<DeserializeGuard<GpuPool>>,
+    nodes: Writer<Node>,
+    gpunodes: Writer<GpuNode>,
+}
+
+impl Fixture {
+    fn new(client: Client) -> Self {
+        let (pool_store, pools) = reflector::store();
+        let (node_store, nodes) = reflector::store();
+        let (gn_store, gpunodes) = reflector::store();
+        let (pod_store, _pods) = reflector::store();
+        let (ns_store, _ns) = reflector::store();
+        let ctx = Arc::new(Context {
+            client: client.clone(),
+            pools: pool_store,
+            nodes: node_store,
+            gpunodes: gn_store,
+            pods: pod_store,
+            namespaces: ns_store,
+            recorder: Recorder::new(
+                client,
+                Reporter {
+                    controller: "gpupool-operator".into(),
+                    instance: None,
+                },
+            ),
+            metrics: Arc::new(Metrics::default()),
+            settings: Settings::default(),
+            failures: Mutex::default(),
+            evict_retry: Mutex::default(),
+        });
+        Self {
+            ctx,
+            pools,
+            nodes,
+            gpunodes,
+        }
+    }
+
+    fn pool(&mut self, p: &GpuPool) {
+        self.pools
+            .apply_watcher_event(&watcher::Event::Apply(DeserializeGuard(Ok(p.clone()))));
+    }
+
+    fn node(&mut self, n: &Node) {
+        self.nodes
+            .apply_watcher_event(&watcher::Event::Apply(n.clone()));
+    }
+
+    fn gpunode(&mut self, g: &GpuNode) {
+        self.gpunodes
+            .apply_watcher_event(&watcher::Event::Apply(g.clone()));
+    }
+}
+
+fn gpu_node(name: &str, pool_label: Option<&str>, tainted: bool) -> Node {
+    let mut l = labels(&[
+        ("team", "ml"),
+        ("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3"),
+        ("nvidia.com/gpu.count", "8"),
+    ]);
+    if let Some(p) = pool_label {
+        l.insert(POOL_LABEL.into(), p.into());
+    }
+    let mut n = Node::default();
+    n.metadata.name = Some(name.into());
+    n.metadata.labels = Some(l);
+    n.metadata.resource_version = Some("7".into());
+    n.spec = Some(NodeSpec {
+        taints: tainted.then(|| {
+            vec![Taint {
+                key: DRIVER_INVALID_TAINT.into(),
+                effect: "NoSchedule".into(),
+                ..Default::default()
+            }]
+        }),
+        ..Default::default()
+    });
+    n
+}
+
+fn with_finalizer(mut p: GpuPool) -> GpuPool {
+    p.metadata.finalizers = Some(vec![POOL_FINALIZER.into()]);
+    p.metadata.resource_version = Some("1".into());
+    p
+}
+
+fn guard(p: &GpuPool) -> Arc<DeserializeGuard<GpuPool>> {
+    Arc::new(DeserializeGuard(Ok(p.clone())))
+}
+
+async fn run(fixture: Fixture, p: &GpuPool, expected: Vec<Expect>, handle: ApiHandle) {
+    let verifier = tokio::spawn(verify(handle, expected));
+    let result = reconcile(guard(p), fixture.ctx.clone()).await;
+    // Dropping every client ends the request stream, so the verifier sees no further request.
+    drop(fixture);
+    assert!(result.is_ok(), "reconcile failed: {result:?}");
+    verifier.await.unwrap();
+}
+
+#[tokio::test]
+async fn an_unchanged_pool_writes_nothing() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut f = Fixture::new(Client::new(service, "default"));
+    let mut p = with_finalizer(pool("train", "2026-01-01T00:00:00Z", &[("team", "ml")]));
+    let node = gpu_node("n1", Some("train"), false);
+    let gn = ready_gpunode(&p, "n1");
+    p.status = Some(pool::pool_status(&StatusInput {
+        pool: &p,
+        members: vec![Member {
+            node: "n1".into(),
+            gpunode: Some(&gn),
+            layout_problem: None,
+        }],
+        conflicts: vec![],
+        selector_error: None,
+        pods_to_drain: 0,
+        reclaim: Default::default(),
+        now: "2026-03-01T00:00:00Z".parse::<Timestamp>().unwrap(),
+    }));
+    f.pool(&p);
+    f.node(&node);
+    f.gpunode(&gn);
+    run(f, &p, vec![], handle).await;
+}
+
+#[tokio::test]
+async fn a_younger_pool_reports_the_conflict_and_leaves_the_node_alone() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut f = Fixture::new(Client::new(service, "default"));
+    let old = with_finalizer(pool("old", "2026-01-01T00:00:00Z", &[("team", "ml")]));
+    let young = with_finalizer(pool("young", "2026-02-01T00:00:00Z", &[("team", "ml")]));
+    f.pool(&old);
+    f.pool(&young);
+    f.node(&gpu_node("n1", Some("old"), false));
+    f.gpunode(&ready_gpunode(&old, "n1"));
+    let answer = serde_json::to_value(&young).unwrap();
+    let expected = vec![
+        // No GpuNode apply and no node patch: only the status, with the conflict named.
+        Expect {
+            answer: Some(answer),
+            ..expect(Method::PATCH, "/gpupools/young/status", |body| {
+                let conds = body["status"]["conditions"].as_array().unwrap();
+                let conflict = conds.iter().find(|c| c["type"] == "Conflict").unwrap();
+                assert_eq!(conflict["status"], "True");
+                let msg = conflict["message"].as_str().unwrap();
+                assert!(msg.contains("old (n1)"), "{msg}");
+                let ready = conds.iter().find(|c| c["type"] == "Ready").unwrap();
+                assert_eq!(ready["status"], "False");
+                assert_eq!(body["status"]["nodes"], "0/0");
+            })
+        },
+        // Events for the two transitions.
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReadyFalse")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ConflictTrue")
+        }),
+    ];
+    run(f, &young, expected, handle).await;
+}
+
+#[tokio::test]
+async fn deleting_a_pool_removes_its_gpunodes_labels_taints_then_the_finalizer() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut f = Fixture::new(Client::new(service, "default"));
+    let mut p = with_finalizer(pool("train", "2026-01-01T00:00:00Z", &[("team", "ml")]));
+    p.metadata.deletion_timestamp = Some(Time("2026-03-01T00:00:00Z".parse().unwrap()));
+    let gn = ready_gpunode(&p, "n1");
+    f.pool(&p);
+    f.node(&gpu_node("n1", Some("train"), true));
+    f.node(&gpu_node("n2", Some("other"), true));
+    f.gpunode(&gn);
+    let status = serde_json::json!({
+        "apiVersion": "v1", "kind": "Status", "status": "Success", "code": 200,
+        "metadata": {}, "message": "", "reason": ""
+    });
+    let mut done = serde_json::to_value(&p).unwrap();
+    done["metadata"]["finalizers"] = serde_json::json!([]);
+    let expected = vec![
+        Expect {
+            answer: Some(status),
+            ..expect(Method::DELETE, "/gpunodes/n1", |_| {})
+        },
+        Expect {
+            answer: Some(serde_json::to_value(gpu_node("n1", None, false)).unwrap()),
+            ..expect(Method::PATCH, "/nodes/n1", |body| {
+                assert_eq!(body["metadata"]["labels"][POOL_LABEL], Value::Null);
+                assert_eq!(body["spec"]["taints"], serde_json::json!([]));
+                assert_eq!(body["metadata"]["resourceVersion"], "7");
+            })
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "CleanedUp")
+        }),
+        Expect {
+            answer: Some(done),
+            ..expect(Method::PATCH, "/gpupools/train", |body| {
+                // kube's finalizer helper: a JSON patch testing and removing our entry.
+                let ops = body.as_array().unwrap();
+                assert!(ops.iter().any(|op| op["op"] == "remove"), "{body}");
+            })
+        },
+    ];
+    assert_eq!(gn.owner_references()[0].uid, p.meta().uid.clone().unwrap());
+    assert_eq!(p.name_any(), "train");
+    run(f, &p, expected, handle).await;
+}
