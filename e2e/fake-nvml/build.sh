@@ -8,6 +8,9 @@ profile=${1:-debug}
 args=(build --quiet -p gpupool-fake-nvml --manifest-path "$root/Cargo.toml")
 [ "$profile" = release ] && args+=(--release)
 cargo "${args[@]}"
-dir=$target/$profile
-ln -sf libnvidia_ml.so "$dir/libnvidia-ml.so.1"
+# Not next to the build output: cargo puts <target>/<profile> on LD_LIBRARY_PATH for tests and
+# `cargo run`, and a libnvidia-ml.so.1 there would shadow a real driver's.
+dir=$target/fake-nvml-lib
+mkdir -p "$dir"
+ln -sf "$target/$profile/libnvidia_ml.so" "$dir/libnvidia-ml.so.1"
 echo "$dir/libnvidia-ml.so.1"

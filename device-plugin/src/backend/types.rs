@@ -348,7 +348,8 @@ pub enum HealthEventKind {
 }
 
 impl HealthEventKind {
-    /// Xid 79: "GPU has fallen off the bus" (NVIDIA Xid catalog).
+    /// Xid 79: "GPU has fallen off the bus" (NVIDIA's Xid catalog,
+    /// <https://docs.nvidia.com/deploy/xid-errors/>).
     pub fn is_fallen_off_bus(&self) -> bool {
         *self == HealthEventKind::Xid(79)
     }

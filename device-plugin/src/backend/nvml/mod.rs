@@ -134,6 +134,29 @@ impl NvmlBackend {
         })
     }
 
+    /// GPU-instance profiles as the driver reports them, without placements (which need MIG
+    /// mode on): read-only, so it can check the catalog against hardware without touching the
+    /// GPU's MIG mode.
+    pub fn gpu_instance_profile_infos(&self, gpu: u32) -> Result<Vec<GpuInstanceProfile>> {
+        let op = "reading GPU instance profiles";
+        let model = self.catalog_model(&self.dev(op, gpu)?);
+        self.gi_profiles(gpu, op)?
+            .into_iter()
+            .map(|(nvml_profile, info)| {
+                Ok(GpuInstanceProfile {
+                    name: self.profile_name(model, nvml_profile, &info)?,
+                    nvml_profile,
+                    id: GiProfileId(info.id),
+                    slice_count: info.slice_count,
+                    instance_count: info.instance_count,
+                    multiprocessors: info.multiprocessor_count,
+                    memory_mib: info.memory_size_mb,
+                    placements: Vec::new(),
+                })
+            })
+            .collect()
+    }
+
     fn raw(&self) -> Raw<'_> {
         Raw::new(self.nvml.lib())
     }
