@@ -17,7 +17,10 @@
 //!   `nvmlDeviceGetGpuInstanceProfileInfo`, and the placement struct (`start`/`size` count
 //!   memory slices).
 //! - `nvidia-smi mig -lgip` / `-lgipp` captures from real H100 80GB and H200 boards published
-//!   with NVIDIA's H100 MIG material, and from A30 boards; SM counts and sizes in GiB.
+//!   with NVIDIA's H100 MIG material, and from A30 boards; SM counts and sizes in GiB. The H100
+//!   IDs, counts, SMs and sizes (19/20/15/14/9/5/0; 7/1/4/3/2/1/1; 16/16/26/32/60/64/132 SMs;
+//!   9.75/9.75/19.62/19.62/39.50/39.50/79.25 GiB) match a published capture at
+//!   <https://jbarrow.ai/field_notes/nvidia-mig/>.
 //! - NVIDIA/go-nvml `pkg/nvml/mock/gpus/{a100,a30,h200}.go` for memory sizes in MiB where no
 //!   hardware capture was available (marked below).
 //!
@@ -291,8 +294,7 @@ const A100_80GB: &[MigProfileSpec] = &[
 ];
 
 /// H100 80GB (SXM5 "H100 80GB HBM3" and PCIe). IDs, SMs, sizes and placements from H100
-/// `-lgip`/`-lgipp` captures (9.75/19.62/39.50/79.25 GiB; 4g.40gb shares 3g.40gb's four
-/// memory slices).
+/// `-lgip`/`-lgipp` captures (9.75/19.62/39.50/79.25 GiB).
 const H100_80GB: &[MigProfileSpec] = &[
     p(
         "1g.10gb",
