@@ -7,8 +7,9 @@
 // k8s.io/cri-api/pkg/apis/testing), the one kubemark's hollow nodes use. On top
 // of it, every CreateContainer request is appended to a JSON-lines file: the
 // pod it belongs to and the container config as the kubelet sent it (CDI
-// devices, env, mounts, devices, annotations), in the CRI's protobuf JSON
-// form, so tests can check what a device plugin's Allocate answer became.
+// devices, env, mounts, devices, annotations) in the CRI's protobuf JSON form,
+// plus the environment as plain text, so tests can check what a device
+// plugin's Allocate answer became.
 //
 //	fakecri --socket /run/fakecri/cri.sock --record /tmp/create-container.jsonl
 package main
@@ -43,15 +44,18 @@ type recordingRuntime struct {
 
 // createRecord is one line of the record file.
 type createRecord struct {
-	Time         string          `json:"time"`
-	PodSandboxID string          `json:"podSandboxId"`
-	ContainerID  string          `json:"containerId,omitempty"`
-	Error        string          `json:"error,omitempty"`
-	PodName      string          `json:"podName"`
-	PodNamespace string          `json:"podNamespace"`
-	PodUID       string          `json:"podUid"`
-	Container    string          `json:"container"`
-	Config       json.RawMessage `json:"config"`
+	Time         string `json:"time"`
+	PodSandboxID string `json:"podSandboxId"`
+	ContainerID  string `json:"containerId,omitempty"`
+	Error        string `json:"error,omitempty"`
+	PodName      string `json:"podName"`
+	PodNamespace string `json:"podNamespace"`
+	PodUID       string `json:"podUid"`
+	Container    string `json:"container"`
+	// The container's environment as text (the CRI carries values as bytes,
+	// which the protobuf JSON form shows base64-encoded).
+	Env    map[string]string `json:"env"`
+	Config json.RawMessage   `json:"config"`
 }
 
 func (r *recordingRuntime) CreateContainer(ctx context.Context, req *kubeapi.CreateContainerRequest) (*kubeapi.CreateContainerResponse, error) {
@@ -63,6 +67,10 @@ func (r *recordingRuntime) CreateContainer(ctx context.Context, req *kubeapi.Cre
 		PodNamespace: req.GetSandboxConfig().GetMetadata().GetNamespace(),
 		PodUID:       req.GetSandboxConfig().GetMetadata().GetUid(),
 		Container:    req.GetConfig().GetMetadata().GetName(),
+		Env:          map[string]string{},
+	}
+	for _, kv := range req.GetConfig().GetEnvs() {
+		rec.Env[kv.GetKey()] = string(kv.GetValue())
 	}
 	if err != nil {
 		rec.Error = err.Error()
@@ -135,6 +143,8 @@ func run(socket, record string) error {
 	}}
 	runtime.ImageService.FakeFilesystemUsage = fsUsage
 	runtime.ImageService.FakeContainerFilesystemUsage = fsUsage
+	// Pulled images get this size; the kubelet refuses an image of size 0.
+	runtime.ImageService.SetFakeImageSize(1 << 20)
 
 	server := grpc.NewServer()
 	kubeapi.RegisterRuntimeServiceServer(server, runtime)
