@@ -6,16 +6,21 @@
 
 use std::path::PathBuf;
 
+/// The protos, relative to the `proto/` include directory.
+const PROTOS: [&str; 2] = [
+    "deviceplugin/v1beta1/api.proto",
+    "podresources/v1/api.proto",
+];
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../proto");
-    let files = [
-        proto_root.join("deviceplugin/v1beta1/api.proto"),
-        proto_root.join("podresources/v1/api.proto"),
-    ];
-    for file in &files {
-        println!("cargo:rerun-if-changed={}", file.display());
+    // Read at run time, not with env!(): a build script binary can be reused from
+    // a shared target directory by a checkout at another path.
+    let manifest_dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?);
+    let proto_root = manifest_dir.join("..").join("proto");
+    for file in PROTOS {
+        println!("cargo:rerun-if-changed={}", proto_root.join(file).display());
     }
-    let descriptors = protox::compile(&files, [&proto_root])?;
+    let descriptors = protox::compile(PROTOS, [&proto_root])?;
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)
