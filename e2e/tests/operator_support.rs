@@ -424,3 +424,35 @@ pub async fn wait_pool_label(client: &Client, node: &str, want: Option<&str>) ->
     )
     .await
 }
+
+/// Moves a running pod's `status.startTime` an hour back, so it is old enough to have been idle
+/// past `idleAfter` (the reclaimer never counts idleness from before a pod started).
+pub async fn backdate_start(client: &Client, ns: &str, name: &str) -> Result<Pod> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let hour_ago = k8s_openapi::jiff::Timestamp::now()
+        .checked_sub(k8s_openapi::jiff::SignedDuration::from_hours(1))
+        .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
+    let pod = api
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({ "status": { "startTime": hour_ago.to_string() } })),
+        )
+        .await
+        .with_context(|| format!("backdating pod {ns}/{name}"))?;
+    Ok(pod)
+}
+
+/// Creates a GPU pod on `node`, waits until it runs, and backdates its start.
+pub async fn running_gpu_pod(
+    client: &Client,
+    scope: &TestScope,
+    name: &str,
+    node: &str,
+    annotations: &[(&str, &str)],
+    labels: &[(&str, &str)],
+) -> Result<Pod> {
+    create_gpu_pod(client, scope, name, Some(node), 1, annotations, labels).await?;
+    wait_running(client, scope.namespace(), name).await?;
+    backdate_start(client, scope.namespace(), name).await
+}

@@ -12,7 +12,6 @@ use gpupool_crds::labels::{IDLE_SINCE_ANNOTATION, RECLAIM_AT_ANNOTATION};
 use gpupool_crds::node::{Activity, GpuStatus, Idleness, PodRef};
 use gpupool_crds::pool::ReclaimRecord;
 use gpupool_e2e::{Cluster, TestScope, crds, wait};
-use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -176,115 +175,51 @@ async fn events_for(client: &Client, ns: &str, name: &str) -> Result<Vec<Event>>
         .collect())
 }
 
-async fn create_job(client: &Client, scope: &TestScope, name: &str, node: &str) -> Result<Job> {
-    let (k, v) = scope.label();
-    let job: Job = serde_json::from_value(json!({
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": { "name": name, "labels": { k: v } },
-        "spec": {
-            "backoffLimit": 0,
-            "template": {
-                "metadata": { "labels": { k: v } },
-                "spec": {
-                    "nodeName": node,
-                    "restartPolicy": "Never",
-                    "tolerations": [{ "operator": "Exists" }],
-                    "containers": [{
-                        "name": "main",
-                        "image": "registry.invalid/train:1",
-                        "resources": { "limits": { "nvidia.com/gpu": "1" } },
-                    }],
-                },
-            },
-        },
-    }))?;
-    let api: Api<Job> = Api::namespaced(client.clone(), scope.namespace());
-    Ok(api.create(&PostParams::default(), &job).await?)
-}
-
-async fn job_pod(client: &Client, ns: &str, job: &str) -> Result<Pod> {
-    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let pod = wait::poll(&format!("pod of Job {job}"), REACT, POLL, || {
-        let api = api.clone();
-        async move {
-            let pods = api
-                .list(&ListParams::default().labels(&format!("job-name={job}")))
-                .await?;
-            Ok(pods.items.into_iter().next())
-        }
-    })
-    .await?;
-    wait_running(client, ns, &pod.name_any()).await
-}
-
 #[tokio::test]
-async fn idle_pods_are_warned_then_evicted_or_their_job_suspended() -> Result<()> {
+async fn idle_pods_are_warned_then_evicted_at_the_deadline() -> Result<()> {
     let cluster = Cluster::shared()?;
     let scope = TestScope::new(cluster, "reclaim-act")?;
     let client = cluster.client().await?;
     let (node, pool, op) = setup(cluster, &scope, &client, json!({})).await?;
     let ns = scope.namespace();
-    create_gpu_pod(&client, &scope, "bare", Some(&node), 1, &[], &[]).await?;
-    let bare = wait_running(&client, ns, "bare").await?;
-    create_job(&client, &scope, "train", &node).await?;
-    let job_pod = job_pod(&client, ns, "train").await?;
-    report_gpus(
-        &client,
-        &node,
-        &[(&bare, Seen::Idle), (&job_pod, Seen::Idle)],
-    )
-    .await?;
+    let bare = running_gpu_pod(&client, &scope, "bare", &node, &[], &[]).await?;
+    report_gpus(&client, &node, &[(&bare, Seen::Idle)]).await?;
 
     // Warned first, with an Event saying when and how to opt out.
     let warned_bare = wait_warned(&client, ns, "bare")
         .await
         .with_context(|| op.log_tail())?;
     let at: Timestamp = warned_bare.annotations()[RECLAIM_AT_ANNOTATION].parse()?;
-    let events = events_for(&client, ns, "bare").await?;
-    let warning = events
-        .iter()
-        .find(|e| e.reason.as_deref() == Some("IdleGPU"))
-        .context("no IdleGPU Event on the pod")?;
+    let warning = wait::poll("IdleGPU Event on the pod", REACT, POLL, || async {
+        Ok(events_for(&client, ns, "bare")
+            .await?
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("IdleGPU")))
+    })
+    .await?;
     let note = warning.note.clone().unwrap_or_default();
     assert!(note.contains("gpupool.io/reclaim=disabled"), "{note}");
 
-    // Then acted on at the deadline: the bare pod evicted, the Job suspended.
+    // Then evicted at the deadline (a bare pod: Auto evicts), once.
     wait_evicted(&client, ns, "bare")
         .await
         .with_context(|| op.log_tail())?;
-    let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
-    wait::poll("Job suspended", REACT, POLL, || {
-        let jobs = jobs.clone();
-        async move {
-            let j = jobs.get("train").await?;
-            Ok((j.spec.and_then(|s| s.suspend) == Some(true)).then_some(()))
-        }
-    })
-    .await
-    .with_context(|| op.log_tail())?;
-    assert!(
-        Timestamp::now() >= at,
-        "acted before the announced deadline"
-    );
     let evict = wait_history(&client, &pool, "Evict in history", |r| {
         r.pod == format!("{ns}/bare") && r.action == "Evict"
     })
     .await?;
     assert_eq!(evict.result, "Succeeded");
-    let suspend = wait_history(&client, &pool, "Suspend in history", |r| {
-        r.action == "Suspend"
+    assert!(
+        evict.time.0 >= at,
+        "acted at {} before the announced {at}",
+        evict.time.0
+    );
+    let p = wait_pool(&client, &pool, "reclaimed counted", |p| {
+        p.status.as_ref().is_some_and(|s| s.reclaim.reclaimed == 1)
     })
     .await?;
-    assert_eq!(suspend.owner.as_deref(), Some("Job/train"));
-    assert_eq!(suspend.result, "Succeeded");
-    // Each action once.
-    let h = history(&client, &pool).await?;
-    assert_eq!(
-        h.iter().filter(|r| r.result == "Succeeded").count(),
-        2,
-        "{h:?}"
-    );
+    let h = p.status.map(|s| s.reclaim.history).unwrap_or_default();
+    assert_eq!(h.len(), 1, "{h:?}");
     delete_pool(&client, &pool).await?;
     Ok(())
 }
@@ -330,7 +265,8 @@ async fn unknown_exempt_and_opted_out_pods_are_never_touched() -> Result<()> {
         "optout",
         "optout-until",
     ] {
-        running.insert(name, wait_running(&client, ns, name).await?);
+        wait_running(&client, ns, name).await?;
+        running.insert(name, backdate_start(&client, ns, name).await?);
     }
     report_gpus(
         &client,
@@ -379,8 +315,10 @@ async fn dry_run_evicts_nothing_and_busy_pods_are_unwarned() -> Result<()> {
     let ns = scope.namespace();
     create_gpu_pod(&client, &scope, "idle", Some(&node), 1, &[], &[]).await?;
     create_gpu_pod(&client, &scope, "wakes", Some(&node), 1, &[], &[]).await?;
-    let idle = wait_running(&client, ns, "idle").await?;
-    let wakes = wait_running(&client, ns, "wakes").await?;
+    wait_running(&client, ns, "idle").await?;
+    let idle = backdate_start(&client, ns, "idle").await?;
+    wait_running(&client, ns, "wakes").await?;
+    let wakes = backdate_start(&client, ns, "wakes").await?;
     report_gpus(&client, &node, &[(&idle, Seen::Idle), (&wakes, Seen::Idle)]).await?;
     wait_warned(&client, ns, "wakes")
         .await
@@ -408,13 +346,13 @@ async fn dry_run_evicts_nothing_and_busy_pods_are_unwarned() -> Result<()> {
         }
     })
     .await?;
-    let events = events_for(&client, ns, "wakes").await?;
-    assert!(
-        events
-            .iter()
-            .any(|e| e.reason.as_deref() == Some("IdleWarningWithdrawn")),
-        "no Event says the warning was withdrawn"
-    );
+    wait::poll("IdleWarningWithdrawn Event", REACT, POLL, || async {
+        Ok(events_for(&client, ns, "wakes")
+            .await?
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("IdleWarningWithdrawn")))
+    })
+    .await?;
     assert_eq!(
         pod_now(&client, ns, "idle")
             .await?
@@ -451,7 +389,8 @@ async fn a_pdb_allowing_no_disruption_blocks_the_eviction() -> Result<()> {
         &[("app", "guarded")],
     )
     .await?;
-    let p = wait_running(&client, ns, "guarded").await?;
+    wait_running(&client, ns, "guarded").await?;
+    let p = backdate_start(&client, ns, "guarded").await?;
     report_gpus(&client, &node, &[(&p, Seen::Idle)]).await?;
     let record = wait_history(&client, &pool, "blocked eviction", |r| {
         r.pod == format!("{ns}/guarded")
@@ -483,7 +422,8 @@ async fn only_under_pressure_waits_until_gpu_demand_is_pending() -> Result<()> {
     .await?;
     let ns = scope.namespace();
     create_gpu_pod(&client, &scope, "idle", Some(&node), 1, &[], &[]).await?;
-    let idle = wait_running(&client, ns, "idle").await?;
+    wait_running(&client, ns, "idle").await?;
+    let idle = backdate_start(&client, ns, "idle").await?;
     report_gpus(&client, &node, &[(&idle, Seen::Idle)]).await?;
     wait_warned(&client, ns, "idle").await?;
     // The operator says it is waiting for demand once the deadline has passed.

@@ -64,6 +64,10 @@ impl Default for Settings {
 pub struct Context {
     /// API client.
     pub client: Client,
+    /// A client that does not retry 429s itself: evictions blocked by a PodDisruptionBudget
+    /// answer 429, and the reclaimer retries those on its own schedule instead of stalling the
+    /// reconcile in the client's backoff.
+    pub evict_client: Client,
     /// GpuPools (as the controller sees them).
     pub pools: Store<DeserializeGuard<GpuPool>>,
     /// Nodes, status stripped.
@@ -647,6 +651,7 @@ fn relevant_node_changes(
 /// Runs the controller until `shutdown` is cancelled.
 pub async fn run(
     client: Client,
+    evict_client: Client,
     metrics: Arc<Metrics>,
     settings: Settings,
     shutdown: CancellationToken,
@@ -704,6 +709,7 @@ pub async fn run(
     );
     let ctx = Arc::new(Context {
         client,
+        evict_client,
         pools: pool_store.clone(),
         nodes: node_store,
         gpunodes: gn_store.clone(),

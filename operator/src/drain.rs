@@ -76,7 +76,7 @@ pub async fn run(
             }
             let ns = pod.namespace().unwrap_or_default();
             let name = pod.name_any();
-            let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+            let api: Api<Pod> = Api::namespaced(ctx.evict_client.clone(), &ns);
             let (type_, reason, note) = match api.evict(&name, &EvictParams::default()).await {
                 Ok(_) => {
                     ctx.metrics.write("Pod", "evict");

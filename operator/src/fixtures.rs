@@ -93,6 +93,7 @@ impl Fixture {
         let (ns_store, _ns) = reflector::store();
         let ctx = Arc::new(Context {
             client: client.clone(),
+            evict_client: client.clone(),
             pools: pool_store,
             nodes: node_store,
             gpunodes: gn_store,

@@ -103,9 +103,13 @@ async fn main() -> Result<()> {
     if args.lease_grace >= args.lease_duration {
         bail!("--lease-grace must be shorter than --lease-duration");
     }
-    let client = Client::try_default()
+    let config = kube::Config::infer()
         .await
-        .context("building a Kubernetes client (in-cluster config or KUBECONFIG)")?;
+        .context("loading Kubernetes client config (in-cluster or KUBECONFIG)")?;
+    let client = Client::try_from(config.clone()).context("building a Kubernetes client")?;
+    let mut no_retry = config;
+    no_retry.default_retry = false;
+    let evict_client = Client::try_from(no_retry).context("building the eviction client")?;
 
     let shutdown = CancellationToken::new();
     let signals = on_signal(shutdown.clone());
@@ -129,10 +133,18 @@ async fn main() -> Result<()> {
     };
 
     let result = if args.leader_elect {
-        run_as_leader(&args, client, metrics, settings, shutdown.clone()).await
+        run_as_leader(
+            &args,
+            client,
+            evict_client,
+            metrics,
+            settings,
+            shutdown.clone(),
+        )
+        .await
     } else {
         metrics.leader.set(1);
-        controller::run(client, metrics, settings, shutdown.clone())
+        controller::run(client, evict_client, metrics, settings, shutdown.clone())
             .await
             .map_err(anyhow::Error::from)
     };
@@ -151,6 +163,7 @@ async fn main() -> Result<()> {
 async fn run_as_leader(
     args: &Args,
     client: Client,
+    evict_client: Client,
     metrics: Arc<Metrics>,
     settings: Settings,
     shutdown: CancellationToken,
@@ -189,6 +202,7 @@ async fn run_as_leader(
     let controller_stop = shutdown.child_token();
     let mut controller = tokio::spawn(controller::run(
         client,
+        evict_client,
         metrics.clone(),
         settings,
         controller_stop.clone(),

@@ -301,6 +301,7 @@ async fn act(
     let key = pod_key(pod);
     let ns = pod.namespace().unwrap_or_default();
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let evictions: Api<Pod> = Api::namespaced(ctx.evict_client.clone(), &ns);
     if matches!(kind, ActionKind::Evict)
         && !dry
         && let Ok(retry) = ctx.evict_retry.lock()
@@ -364,7 +365,7 @@ async fn act(
                     field_manager: None,
                 },
             };
-            match pods.evict(&pod.name_any(), &ep).await {
+            match evictions.evict(&pod.name_any(), &ep).await {
                 Ok(_) => {
                     if !dry {
                         ctx.metrics.write("Pod", "evict");
