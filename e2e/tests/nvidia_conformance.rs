@@ -1,0 +1,118 @@
+//! gpupool against NVIDIA's own stack on the same simulated hardware (the fake
+//! `libnvidia-ml.so`): `nvidia-ctk cdi generate` vs our CDI generator, and NVIDIA's
+//! k8s-device-plugin vs ours through the same kubelet stand-in, for 8 × H100 with a mixed MIG
+//! layout, 8 × H100 with a uniform layout, 8 × A100 whole and 4 × L4.
+//!
+//! Runs only with `GPUPOOL_NVIDIA_TOOLS=1` (it builds NVIDIA's binaries from Go modules and
+//! needs root for `mknod` and `unshare -m`):
+//!
+//! ```sh
+//! GPUPOOL_NVIDIA_TOOLS=1 cargo test -p gpupool-e2e --test nvidia_conformance -- --nocapture
+//! ```
+//! The work is done by `e2e/tools/nvidia/compare.sh conformance` (see RESULTS.md there); this
+//! test checks its report: every row equal or a documented difference, and the rows that
+//! must be exact are exact.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+
+use gpupool_e2e::repo_root;
+
+const SCENARIOS: [&str; 4] = [
+    "h100-8x-mig-mixed",
+    "h100-8x-mig-all-1g",
+    "a100-8x-whole",
+    "l4-4x",
+];
+
+/// Rows that must be exactly equal in every scenario.
+const EXACT_CDI_ROWS: [&str; 3] = [
+    "CDI device names",
+    "device nodes of each device (name, path, hostPath)",
+    "spec-level device nodes (path, hostPath)",
+];
+
+/// Rows that must be exactly equal for every scenario and strategy where both plugins run.
+const EXACT_PLUGIN_ROWS: [&str; 3] = [
+    "resources registered",
+    "device IDs and health per resource",
+    "Allocate: CDI device names (resource, request, name)",
+];
+
+/// `[TAG] scenario / item` lines of the report → tag.
+fn rows(stdout: &str) -> BTreeMap<(String, String), String> {
+    stdout
+        .lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix('[')?;
+            let (tag, rest) = rest.split_once("] ")?;
+            let (scenario, item) = rest.split_once(" / ")?;
+            Some(((scenario.to_owned(), item.to_owned()), tag.to_owned()))
+        })
+        .collect()
+}
+
+#[test]
+fn nvidia_conformance() {
+    if std::env::var("GPUPOOL_NVIDIA_TOOLS").as_deref() != Ok("1") {
+        eprintln!("skipped: set GPUPOOL_NVIDIA_TOOLS=1 to compare with NVIDIA's binaries");
+        return;
+    }
+    let root = repo_root();
+    let output = Command::new(root.join("e2e/tools/nvidia/compare.sh"))
+        .arg("conformance")
+        .output()
+        .expect("running e2e/tools/nvidia/compare.sh");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    println!("{stdout}");
+    eprintln!("{}", String::from_utf8_lossy(&output.stderr));
+    let rows = rows(&stdout);
+    let unexpected: Vec<_> = rows.iter().filter(|(_, t)| *t == "UNEXPECTED").collect();
+    assert!(unexpected.is_empty(), "unexpected differences: {unexpected:?}");
+    assert!(output.status.success(), "compare.sh failed");
+
+    for scenario in SCENARIOS {
+        for item in EXACT_CDI_ROWS {
+            let key = (scenario.to_owned(), item.to_owned());
+            assert_eq!(
+                rows.get(&key).map(String::as_str),
+                Some("EQUAL"),
+                "{scenario} / {item}"
+            );
+        }
+        // The documented CDI differences are present and explained, not missing.
+        for item in ["CDI kind", "hooks"] {
+            let key = (scenario.to_owned(), item.to_owned());
+            assert_eq!(
+                rows.get(&key).map(String::as_str),
+                Some("DOCUMENTED"),
+                "{scenario} / {item}"
+            );
+        }
+    }
+    let plugin_runs: Vec<&String> = rows
+        .keys()
+        .map(|(s, _)| s)
+        .filter(|s| s.contains(" strategy="))
+        .collect();
+    assert!(
+        plugin_runs.len() >= 9,
+        "expected every scenario × strategy in the report"
+    );
+    for label in plugin_runs {
+        let registered = rows
+            .get(&(label.clone(), "resources registered".to_owned()))
+            .map(String::as_str);
+        if registered == Some("DOCUMENTED") {
+            // Both refused the layout; nothing else to compare.
+            continue;
+        }
+        for item in EXACT_PLUGIN_ROWS {
+            assert_eq!(
+                rows.get(&(label.clone(), item.to_owned())).map(String::as_str),
+                Some("EQUAL"),
+                "{label} / {item}"
+            );
+        }
+    }
+}

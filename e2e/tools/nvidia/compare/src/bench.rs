@@ -1,0 +1,242 @@
+//! The benchmark: both stacks driven the same way, in one run, on the same fake node
+//! (8 × H100 with the mixed MIG layout, strategy `mixed`), as processes.
+//!
+//! - CDI generation: wall time of `nvidia-ctk cdi generate` and of our `ours-cdi` child
+//!   (NVML through the fake, inventory, spec, validation, atomic write), each a fresh process.
+//! - start → registered: spawn to the first device list of the last resource registered.
+//! - Allocate p50/p99: 10,000 Allocates of 2 whole GPUs (`nvidia.com/gpu`) over the stand-in's
+//!   unix-socket client.
+//! - health event → ListAndWatch: an Xid 79 written into the fake's state file (as the driver
+//!   would raise it) until the stand-in sees that GPU Unhealthy. Both plugins learn of it
+//!   through `nvmlEventSetWait` on the fake, which polls the state file every 20 ms, so the
+//!   figures include that floor. NVIDIA's plugin never marks a device healthy again, so each
+//!   GPU gives one sample per plugin run.
+//! - VmRSS of the plugin process after registration and after the 10,000 Allocates.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+
+use crate::Tools;
+use crate::cdi_cmp;
+use crate::node::{self, SCENARIOS};
+use crate::plugins::{self, Side, vm_rss_kib};
+
+const CDI_RUNS: usize = 10;
+const STARTS: usize = 5;
+const ALLOCATES: usize = 10_000;
+/// Whole GPUs of the mixed layout that get an Xid 79 (one sample each).
+const HEALTH_GPUS: [u32; 4] = [0, 1, 2, 3];
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(30);
+const STRATEGY: &str = "mixed";
+const RESOURCE: &str = "nvidia.com/gpu";
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let rank = ((sorted.len() as f64) * p).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+#[derive(Debug, Default)]
+struct Figures {
+    cdi: Vec<Duration>,
+    start: Vec<Duration>,
+    allocate: Vec<Duration>,
+    health: Vec<Duration>,
+    health_note: Option<String>,
+    rss_registered_kib: Option<u64>,
+    rss_after_kib: Option<u64>,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn p(samples: &[Duration], q: f64) -> Option<Duration> {
+    let mut s = samples.to_vec();
+    s.sort();
+    (!s.is_empty()).then(|| percentile(&s, q))
+}
+
+/// Runs the benchmark and prints the table.
+pub async fn run(tools: &Tools, work: &Path) -> Result<()> {
+    let scenario = &SCENARIOS[0];
+    let dir = work.join("bench");
+    let node = node::prepare(
+        &tools.repo,
+        scenario,
+        &dir.join("node"),
+        &tools.fake_lib,
+        &tools.self_exe,
+    )?;
+    node::pin_clock(&node)?;
+    let mut figures: BTreeMap<Side, Figures> = BTreeMap::new();
+
+    // CDI generation, alternating so both see the same machine load.
+    for _ in 0..CDI_RUNS {
+        let (_, t) = cdi_cmp::run_nvidia_ctk(&tools.ctk, &node, &dir)?;
+        figures.entry(Side::Nvidia).or_default().cdi.push(t);
+        let (_, t) = cdi_cmp::run_ours(&tools.self_exe, &node, &dir)?;
+        figures.entry(Side::Gpupool).or_default().cdi.push(t);
+    }
+
+    // Start → registered.
+    for _ in 0..STARTS {
+        for side in [Side::Nvidia, Side::Gpupool] {
+            let work = dir.join(format!("start-{}", side.name()));
+            let mut running =
+                plugins::start(side, &node, STRATEGY, &work, &tools.plugin, &tools.self_exe)
+                    .await?;
+            let registered = running.registered().await?;
+            if let Some(exit) = &registered.exited {
+                anyhow::bail!("{} plugin exited: {exit}", side.name());
+            }
+            figures.entry(side).or_default().start.push(registered.took);
+            running.stop().await;
+        }
+    }
+
+    // Allocate, memory, health: one long-running plugin per side.
+    for side in [Side::Nvidia, Side::Gpupool] {
+        node::reset_all(&node)?;
+        let f = figures.entry(side).or_default();
+        let work = dir.join(format!("run-{}", side.name()));
+        let mut running =
+            plugins::start(side, &node, STRATEGY, &work, &tools.plugin, &tools.self_exe).await?;
+        let registered = running.registered().await?;
+        let devices = registered
+            .resources
+            .get(RESOURCE)
+            .with_context(|| format!("{} registered no {RESOURCE}", side.name()))?
+            .clone();
+        f.rss_registered_kib = vm_rss_kib(running.pid);
+        let mut ids: Vec<String> = devices.iter().map(|d| d.id.clone()).collect();
+        ids.sort();
+        let mut client = running
+            .kubelet
+            .client(RESOURCE)
+            .context("no client for nvidia.com/gpu")?;
+        for n in 0..ALLOCATES {
+            let request = gpupool_device_plugin::plugin::api::v1beta1::AllocateRequest {
+                container_requests: vec![
+                    gpupool_device_plugin::plugin::api::v1beta1::ContainerAllocateRequest {
+                        devices_ids: vec![
+                            ids[n % ids.len()].clone(),
+                            ids[(n + 1) % ids.len()].clone(),
+                        ],
+                    },
+                ],
+            };
+            let t = Instant::now();
+            client.allocate(request).await?;
+            f.allocate.push(t.elapsed());
+        }
+        f.rss_after_kib = vm_rss_kib(running.pid);
+
+        for gpu in HEALTH_GPUS {
+            let id = devices
+                .iter()
+                .find(|d| d.id == ids[gpu as usize])
+                .map(|d| d.id.clone())
+                .context("device")?;
+            let t = Instant::now();
+            node::inject_xid(&node, gpu, 79)?;
+            let seen = running
+                .kubelet
+                .wait_devices(RESOURCE, HEALTH_TIMEOUT, |list| {
+                    list.iter()
+                        .any(|d| d.id == id && d.health == "Unhealthy")
+                })
+                .await;
+            match seen {
+                Some(_) => f.health.push(t.elapsed()),
+                None => {
+                    f.health_note = Some(format!(
+                        "Xid 79 on GPU {gpu} not reported Unhealthy within {HEALTH_TIMEOUT:?}"
+                    ));
+                    break;
+                }
+            }
+        }
+        running.stop().await;
+    }
+    node::reset_all(&node)?;
+    print_table(&figures);
+    Ok(())
+}
+
+fn print_table(figures: &BTreeMap<Side, Figures>) {
+    let (n, o) = (&figures[&Side::Nvidia], &figures[&Side::Gpupool]);
+    let row = |name: &str, a: Option<f64>, b: Option<f64>, unit: &str| {
+        let fmt = |v: Option<f64>| v.map_or("n/a".to_owned(), |v| format!("{v:.2} {unit}"));
+        let ratio = match (a, b) {
+            (Some(a), Some(b)) if b > 0.0 => format!("{:.2}×", a / b),
+            _ => "n/a".to_owned(),
+        };
+        println!("| {name} | {} | {} | {ratio} |", fmt(a), fmt(b));
+    };
+    let q = |s: &[Duration], x: f64| p(s, x).map(ms);
+    let mib = |k: Option<u64>| k.map(|k| k as f64 / 1024.0);
+    println!(
+        "\n8 × H100 80GB, GPUs 4-7 in MIG (13 MIG devices), strategy mixed; ratio = NVIDIA / gpupool (> 1: gpupool faster or smaller)\n"
+    );
+    println!("| figure | NVIDIA (nvidia-ctk v1.20.2, k8s-device-plugin v0.19.3) | gpupool | ratio |");
+    println!("|---|---|---|---|");
+    row(
+        &format!("CDI generation, p50 of {CDI_RUNS} (process wall time)"),
+        q(&n.cdi, 0.5),
+        q(&o.cdi, 0.5),
+        "ms",
+    );
+    row(
+        &format!("plugin start → all resources registered, p50 of {STARTS}"),
+        q(&n.start, 0.5),
+        q(&o.start, 0.5),
+        "ms",
+    );
+    row(
+        &format!("Allocate (2 GPUs) p50, n={ALLOCATES}"),
+        q(&n.allocate, 0.5).map(|v| v * 1e3),
+        q(&o.allocate, 0.5).map(|v| v * 1e3),
+        "µs",
+    );
+    row(
+        &format!("Allocate (2 GPUs) p99, n={ALLOCATES}"),
+        q(&n.allocate, 0.99).map(|v| v * 1e3),
+        q(&o.allocate, 0.99).map(|v| v * 1e3),
+        "µs",
+    );
+    row(
+        &format!(
+            "Xid 79 → ListAndWatch Unhealthy, p50 of {} (incl. the fake's 20 ms event poll)",
+            HEALTH_GPUS.len()
+        ),
+        q(&n.health, 0.5),
+        q(&o.health, 0.5),
+        "ms",
+    );
+    row(
+        "Xid 79 → ListAndWatch Unhealthy, max",
+        q(&n.health, 1.0),
+        q(&o.health, 1.0),
+        "ms",
+    );
+    row(
+        "plugin VmRSS after registration",
+        mib(n.rss_registered_kib),
+        mib(o.rss_registered_kib),
+        "MiB",
+    );
+    row(
+        &format!("plugin VmRSS after {ALLOCATES} Allocates"),
+        mib(n.rss_after_kib),
+        mib(o.rss_after_kib),
+        "MiB",
+    );
+    for (side, f) in figures {
+        if let Some(note) = &f.health_note {
+            println!("\nnote ({}): {note}", side.name());
+        }
+    }
+}

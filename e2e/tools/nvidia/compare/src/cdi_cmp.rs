@@ -1,0 +1,276 @@
+//! CDI: `nvidia-ctk cdi generate` against our generator (`device-plugin/src/cdi.rs`) on the
+//! same fake node.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use gpupool_crds::policy::CdiDeviceNameStrategy;
+use gpupool_device_plugin::cdi::{CdiOptions, SPEC_FILE_NAME, generate_and_write};
+use gpupool_device_plugin::inventory::Inventory;
+use serde_yaml::Value;
+
+use crate::node::{FakeNode, backend};
+use crate::report::Report;
+
+/// Hook binary path written into NVIDIA's spec (it need not exist).
+pub const HOOK_PATH: &str = "/usr/bin/nvidia-cdi-hook";
+
+/// A device node as a set member: container path and host path.
+pub type NodeEdit = (String, String);
+
+/// A spec reduced to what both generators are compared on.
+#[derive(Debug, Default)]
+pub struct Normalized {
+    /// `vendor/class`.
+    pub kind: String,
+    /// Device name → its device nodes.
+    pub devices: BTreeMap<String, BTreeSet<NodeEdit>>,
+    /// Spec-level device nodes.
+    pub nodes: BTreeSet<NodeEdit>,
+    /// Spec-level mounts: container path, host path.
+    pub mounts: BTreeSet<(String, String)>,
+    /// Spec-level env.
+    pub env: BTreeSet<String>,
+    /// Hooks anywhere in the spec: hook name and arguments after the binary.
+    pub hooks: BTreeSet<String>,
+    /// Device-node attributes written besides path/hostPath (e.g. `major`, `fileMode`).
+    pub node_attributes: BTreeSet<String>,
+}
+
+fn str_of(v: &Value, key: &str) -> Option<String> {
+    v.get(key).and_then(Value::as_str).map(str::to_owned)
+}
+
+fn seq<'a>(v: &'a Value, key: &str) -> impl Iterator<Item = &'a Value> {
+    v.get(key)
+        .and_then(Value::as_sequence)
+        .into_iter()
+        .flatten()
+}
+
+fn node_edits(edits: &Value, attributes: &mut BTreeSet<String>) -> BTreeSet<NodeEdit> {
+    seq(edits, "deviceNodes")
+        .filter_map(|n| {
+            if let Some(map) = n.as_mapping() {
+                for k in map.keys().filter_map(Value::as_str) {
+                    if k != "path" && k != "hostPath" {
+                        attributes.insert(k.to_owned());
+                    }
+                }
+            }
+            let path = str_of(n, "path")?;
+            let host = str_of(n, "hostPath").unwrap_or_else(|| path.clone());
+            Some((path, host))
+        })
+        .collect()
+}
+
+fn hooks(edits: &Value, out: &mut BTreeSet<String>) {
+    for h in seq(edits, "hooks") {
+        let args: Vec<String> = seq(h, "args")
+            .skip(1)
+            .filter_map(|a| a.as_str().map(str::to_owned))
+            .collect();
+        out.insert(format!(
+            "{}: {}",
+            str_of(h, "hookName").unwrap_or_default(),
+            args.join(" ")
+        ));
+    }
+}
+
+/// Reduces a CDI spec (YAML or JSON text).
+pub fn normalize(text: &str) -> Result<Normalized> {
+    let spec: Value = serde_yaml::from_str(text).context("parsing CDI spec")?;
+    let mut n = Normalized {
+        kind: str_of(&spec, "kind").unwrap_or_default(),
+        ..Normalized::default()
+    };
+    for d in seq(&spec, "devices") {
+        let name = str_of(d, "name").context("device without a name")?;
+        let edits = d.get("containerEdits").cloned().unwrap_or(Value::Null);
+        let nodes = node_edits(&edits, &mut n.node_attributes);
+        hooks(&edits, &mut n.hooks);
+        n.devices.insert(name, nodes);
+    }
+    let edits = spec.get("containerEdits").cloned().unwrap_or(Value::Null);
+    n.nodes = node_edits(&edits, &mut n.node_attributes);
+    hooks(&edits, &mut n.hooks);
+    n.env = seq(&edits, "env")
+        .filter_map(|e| e.as_str().map(str::to_owned))
+        .collect();
+    n.mounts = seq(&edits, "mounts")
+        .filter_map(|m| Some((str_of(m, "containerPath")?, str_of(m, "hostPath")?)))
+        .collect();
+    Ok(n)
+}
+
+/// Runs `nvidia-ctk cdi generate` for the node; returns the spec text and the wall time.
+pub fn run_nvidia_ctk(ctk: &Path, node: &FakeNode, out: &Path) -> Result<(String, Duration)> {
+    let file = out.join("nvidia-ctk.yaml");
+    let started = Instant::now();
+    let output = node
+        .apply_env(&mut Command::new(ctk))
+        .args(["--quiet", "cdi", "generate", "--format", "yaml"])
+        .arg("--driver-root")
+        .arg(node.root())
+        .args(["--nvidia-cdi-hook-path", HOOK_PATH])
+        .arg("--output")
+        .arg(&file)
+        .output()
+        .context("running nvidia-ctk")?;
+    let took = started.elapsed();
+    ensure!(
+        output.status.success(),
+        "nvidia-ctk cdi generate failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok((fs::read_to_string(&file)?, took))
+}
+
+/// Runs our generator in a child (`ours-cdi`), as a process like nvidia-ctk; returns the spec
+/// text and the wall time.
+pub fn run_ours(self_exe: &Path, node: &FakeNode, out: &Path) -> Result<(String, Duration)> {
+    let dir = out.join("gpupool-cdi");
+    fs::create_dir_all(&dir)?;
+    let started = Instant::now();
+    let output = node
+        .apply_env(&mut Command::new(self_exe))
+        .arg("ours-cdi")
+        .arg(&node.dir)
+        .arg(&dir)
+        .output()
+        .context("running ours-cdi")?;
+    let took = started.elapsed();
+    ensure!(
+        output.status.success(),
+        "ours-cdi failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok((fs::read_to_string(dir.join(SPEC_FILE_NAME))?, took))
+}
+
+/// The `ours-cdi` child: our NVML backend on the fake library, inventory, spec written to
+/// `spec_dir` with the agent's default options (kind `gpupool.io/gpu`, index + UUID names).
+pub fn ours_cdi(node_dir: &Path, spec_dir: &Path) -> Result<PathBuf> {
+    let node = FakeNode::open(node_dir)?;
+    let backend = backend(&node)?;
+    let inventory = Inventory::read(&backend).map_err(|e| anyhow::anyhow!("inventory: {e}"))?;
+    let options = CdiOptions {
+        kind: "gpupool.io/gpu".parse().map_err(|e| anyhow::anyhow!("{e}"))?,
+        naming: CdiDeviceNameStrategy::all(),
+    };
+    let outcome = generate_and_write(&inventory, &node.root(), spec_dir, &options)?;
+    for s in &outcome.skipped {
+        eprintln!("ours-cdi: skipped {s}");
+    }
+    Ok(spec_dir.join(SPEC_FILE_NAME))
+}
+
+/// Mounts nvidia-ctk adds that are not driver files: `/dev/null` over
+/// `/var/run/nvidia-container-devices/void`, paired with `NVIDIA_VISIBLE_DEVICES=void`.
+fn is_void_mount(m: &(String, String)) -> bool {
+    m.0 == "/var/run/nvidia-container-devices/void"
+}
+
+/// Compares the two specs of one scenario, row by row.
+pub fn compare(report: &mut Report, scenario: &str, nvidia: &Normalized, ours: &Normalized) {
+    let s = scenario;
+    let kinds = |k: &str| BTreeSet::from([k.to_owned()]);
+    report.compare_sets(
+        s,
+        "CDI kind",
+        &kinds(&nvidia.kind),
+        &kinds(&ours.kind),
+        |n, o| {
+            (n.contains("nvidia.com/gpu") && o.contains("gpupool.io/gpu")).then(|| {
+                "our kind is gpupool.io/gpu by design, so our spec never collides with one \
+                 nvidia-ctk wrote on the same node (DESIGN.md, Conventions)"
+                    .to_owned()
+            })
+        },
+    );
+    let names = |n: &Normalized| n.devices.keys().cloned().collect::<BTreeSet<_>>();
+    report.compare_sets(
+        s,
+        "CDI device names",
+        &names(nvidia),
+        &names(ours),
+        |_, _| None,
+    );
+    let per_device = |n: &Normalized| {
+        n.devices
+            .iter()
+            .flat_map(|(name, nodes)| {
+                nodes
+                    .iter()
+                    .map(move |(p, h)| (name.clone(), p.clone(), h.clone()))
+            })
+            .collect::<BTreeSet<_>>()
+    };
+    report.compare_sets(
+        s,
+        "device nodes of each device (name, path, hostPath)",
+        &per_device(nvidia),
+        &per_device(ours),
+        |_, _| None,
+    );
+    report.compare_sets(
+        s,
+        "spec-level device nodes (path, hostPath)",
+        &nvidia.nodes,
+        &ours.nodes,
+        |_, _| None,
+    );
+    report.compare_sets(
+        s,
+        "spec-level mounts (containerPath, hostPath)",
+        &nvidia.mounts,
+        &ours.mounts,
+        |n, o| {
+            let unexplained_nvidia = n.iter().any(|m| !is_void_mount(m));
+            (!unexplained_nvidia && o.is_empty()).then(|| {
+                "nvidia-ctk also bind-mounts /dev/null at \
+                 /var/run/nvidia-container-devices/void, its marker for the legacy runtime \
+                 hook; we set only NVIDIA_VISIBLE_DEVICES=void"
+                    .to_owned()
+            })
+        },
+    );
+    report.compare_sets(s, "spec-level env", &nvidia.env, &ours.env, |n, o| {
+        (o.is_empty() && n.iter().all(|e| e.starts_with("NVIDIA_CTK_LIBCUDA_DIR="))).then(|| {
+            "NVIDIA_CTK_LIBCUDA_DIR is read only by nvidia-cdi-hook, and our spec has no hooks"
+                .to_owned()
+        })
+    });
+    report.compare_sets(s, "hooks", &nvidia.hooks, &ours.hooks, |_, o| {
+        o.is_empty().then(|| {
+            "our spec has zero hooks by design (no binary from the host runs in the container's \
+             namespaces; CVE-2024-0132/CVE-2025-23266 class); ldcache, libcuda.so symlink and \
+             CUDA compat are left to the image"
+                .to_owned()
+        })
+    });
+    report.compare_sets(
+        s,
+        "device-node attributes besides path/hostPath",
+        &nvidia.node_attributes,
+        &ours.node_attributes,
+        |n, o| {
+            let explained = n
+                .iter()
+                .all(|a| ["major", "minor", "fileMode", "permissions"].contains(&a.as_str()))
+                && o.iter().all(|a| a == "permissions");
+            explained.then(|| {
+                "nvidia-ctk copies type/major/minor/fileMode from the host node and writes \
+                 permissions rwm; we write permissions rw only (no mknod in the container) and \
+                 let the runtime read the rest from the host node"
+                    .to_owned()
+            })
+        },
+    );
+}
