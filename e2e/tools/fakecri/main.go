@@ -54,8 +54,10 @@ type createRecord struct {
 	Container    string `json:"container"`
 	// The container's environment as text (the CRI carries values as bytes,
 	// which the protobuf JSON form shows base64-encoded).
-	Env    map[string]string `json:"env"`
-	Config json.RawMessage   `json:"config"`
+	Env map[string]string `json:"env"`
+	// The fully qualified CDI device names (config.CDIDevices).
+	CDIDevices []string        `json:"cdiDevices"`
+	Config     json.RawMessage `json:"config"`
 }
 
 func (r *recordingRuntime) CreateContainer(ctx context.Context, req *kubeapi.CreateContainerRequest) (*kubeapi.CreateContainerResponse, error) {
@@ -71,6 +73,10 @@ func (r *recordingRuntime) CreateContainer(ctx context.Context, req *kubeapi.Cre
 	}
 	for _, kv := range req.GetConfig().GetEnvs() {
 		rec.Env[kv.GetKey()] = string(kv.GetValue())
+	}
+	rec.CDIDevices = []string{}
+	for _, d := range req.GetConfig().GetCDIDevices() {
+		rec.CDIDevices = append(rec.CDIDevices, d.GetName())
 	}
 	if err != nil {
 		rec.Error = err.Error()
