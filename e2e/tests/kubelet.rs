@@ -1,0 +1,987 @@
+//! The device plugin against a real kubelet: `e2e/kubelet` starts one (node `real-node-0`) on an
+//! in-memory container runtime (`e2e/tools/fakecri`, which records every CRI `CreateContainer`),
+//! beside the kwok nodes; our node agent runs unchanged against the kubelet's device-plugin
+//! directory with the NVML backend on the fake `libnvidia-ml.so` and a MIG layout.
+//!
+//! One scenario, in order, because there is one kubelet per machine (its device-plugin directory
+//! is compiled in):
+//! - Node capacity and allocatable show `nvidia.com/gpu` and `nvidia.com/mig-1g.10gb` with the
+//!   counts the layout gives;
+//! - a pod asking for `nvidia.com/mig-1g.10gb: 1` is scheduled, admitted and "runs"; the recorded
+//!   `CreateContainer` carries exactly the CDI device name of the device the agent reports the
+//!   pod on (PodResources → GpuNode status `pods`); a pod asking for more than is free stays
+//!   Pending;
+//! - an uncorrectable ECC error injected through the fake NVML's state file makes the whole GPU
+//!   Unhealthy and `nvidia.com/gpu` allocatable drops by one; a GPU reset brings it back after
+//!   the agent's hold-down;
+//! - restarting the kubelet (which wipes the plugin sockets): the plugin re-registers, capacity
+//!   returns and a new pod is admitted; the gaps are printed;
+//! - a MIG layout change takes the old `nvidia.com/mig-*` resource out of the Node's capacity.
+//!
+//! Opt-in: runs when `GPUPOOL_E2E_KUBELET=1`; otherwise (or when `e2e/kubelet check` says this
+//! machine cannot run a kubelet) it prints why and passes without doing anything.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{Context, Result, bail, ensure};
+use gpupool_crds::node::{GpuMigSpec, GpuNodeStatus, MigState, NodeMigSpec, UtilizationSpec};
+use gpupool_crds::policy::{DriverPolicy, MigStrategy};
+use gpupool_crds::{GpuNode, GpuNodeSpec};
+use gpupool_e2e::wait::poll;
+use gpupool_e2e::{Cluster, TestScope, crds, repo_root};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Client;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+const DRIVER: &str = "550.54.15";
+const GPU: &str = "nvidia.com/gpu";
+const MIG_1G: &str = "nvidia.com/mig-1g.10gb";
+const MIG_3G: &str = "nvidia.com/mig-3g.40gb";
+
+fn kubelet_script() -> PathBuf {
+    repo_root().join("e2e/kubelet")
+}
+
+/// The cluster's state directory: `e2e/cluster` writes the kubeconfig into it.
+fn cluster_dir(cluster: &Cluster) -> Result<PathBuf> {
+    cluster
+        .kubeconfig()
+        .parent()
+        .map(Path::to_path_buf)
+        .context("the kubeconfig has no parent directory")
+}
+
+fn kubelet_cmd(cluster: &Cluster, args: &[&str]) -> Result<Command> {
+    let mut cmd = Command::new(kubelet_script());
+    cmd.args(args)
+        .env("GPUPOOL_E2E_DIR", cluster_dir(cluster)?)
+        .stdin(Stdio::null());
+    Ok(cmd)
+}
+
+/// `e2e/kubelet env`, parsed.
+fn kubelet_env(cluster: &Cluster) -> Result<BTreeMap<String, String>> {
+    let out = kubelet_cmd(cluster, &["env"])?.output()?;
+    ensure!(out.status.success(), "e2e/kubelet env failed");
+    Ok(String::from_utf8(out.stdout)?
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect())
+}
+
+/// The running kubelet; `e2e/kubelet down` on drop, and from a watchdog process if this process
+/// dies without unwinding.
+struct RealKubelet {
+    cluster: &'static Cluster,
+    node: String,
+    device_plugin_dir: PathBuf,
+    pod_resources: PathBuf,
+    record: PathBuf,
+    log: PathBuf,
+    state_dir: PathBuf,
+}
+
+impl RealKubelet {
+    fn up(cluster: &'static Cluster) -> Result<RealKubelet> {
+        let watchdog = r#"tail --pid="$1" -f /dev/null; "$2" down"#;
+        let log = repo_root().join(format!(
+            "target/e2e-kubelet-teardown-{}.log",
+            std::process::id()
+        ));
+        fs::create_dir_all(log.parent().context("no parent")?)?;
+        let out = fs::File::create(&log)?;
+        {
+            use std::os::unix::process::CommandExt;
+            Command::new("sh")
+                .arg("-c")
+                .arg(watchdog)
+                .arg("gpupool-e2e-kubelet-teardown")
+                .arg(std::process::id().to_string())
+                .arg(kubelet_script())
+                .env("GPUPOOL_E2E_DIR", cluster_dir(cluster)?)
+                .stdin(Stdio::null())
+                .stdout(out.try_clone()?)
+                .stderr(out)
+                .process_group(0)
+                .spawn()
+                .context("starting the kubelet teardown watchdog")?;
+        }
+        let status = kubelet_cmd(cluster, &["up"])?
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .status()?;
+        ensure!(
+            status.success(),
+            "e2e/kubelet up failed ({status}); its output above names the step and the log"
+        );
+        let env = kubelet_env(cluster)?;
+        let get = |k: &str| -> Result<String> {
+            env.get(k)
+                .cloned()
+                .with_context(|| format!("e2e/kubelet env has no {k}"))
+        };
+        Ok(RealKubelet {
+            cluster,
+            node: get("KUBELET_NODE")?,
+            device_plugin_dir: get("KUBELET_DEVICE_PLUGIN_DIR")?.into(),
+            pod_resources: get("KUBELET_POD_RESOURCES_SOCKET")?.into(),
+            record: get("KUBELET_CREATE_CONTAINER_RECORD")?.into(),
+            log: get("KUBELET_LOG")?.into(),
+            state_dir: get("KUBELET_STATE_DIR")?.into(),
+        })
+    }
+
+    fn restart(&self) -> Result<()> {
+        let status = kubelet_cmd(self.cluster, &["restart"])?
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .status()?;
+        ensure!(status.success(), "e2e/kubelet restart failed ({status})");
+        Ok(())
+    }
+
+    fn kubelet_socket(&self) -> PathBuf {
+        self.device_plugin_dir.join("kubelet.sock")
+    }
+
+    fn log_len(&self) -> u64 {
+        fs::metadata(&self.log).map(|m| m.len()).unwrap_or(0)
+    }
+
+    fn log_since(&self, offset: u64) -> String {
+        let mut text = String::new();
+        if let Ok(mut f) = fs::File::open(&self.log)
+            && f.seek(SeekFrom::Start(offset)).is_ok()
+        {
+            let _ = f.read_to_string(&mut text);
+        }
+        text
+    }
+
+    /// The CreateContainer records of one pod.
+    fn creates_of(&self, namespace: &str, pod: &str) -> Result<Vec<Value>> {
+        let text = fs::read_to_string(&self.record).unwrap_or_default();
+        let mut out = Vec::new();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let v: Value = serde_json::from_str(line)
+                .with_context(|| format!("a bad line in {}: {line}", self.record.display()))?;
+            if v["podNamespace"] == namespace && v["podName"] == pod {
+                out.push(v);
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for RealKubelet {
+    fn drop(&mut self) {
+        // `down` removes the state directory; keep what explains a failure.
+        let keep = repo_root().join(format!("target/e2e-kubelet-logs/{}", std::process::id()));
+        if fs::create_dir_all(&keep).is_ok() {
+            for f in ["kubelet.log", "fakecri.log", "create-container.jsonl"] {
+                let _ = fs::copy(self.state_dir.join(f), keep.join(f));
+            }
+            eprintln!("e2e: kubelet logs kept in {}", keep.display());
+        }
+        match kubelet_cmd(self.cluster, &["down"]).and_then(|mut c| Ok(c.status()?)) {
+            Ok(s) if s.success() => {}
+            other => eprintln!("e2e: e2e/kubelet down: {other:?}"),
+        }
+    }
+}
+
+// --- the agent ---------------------------------------------------------------------------------
+
+fn target_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        return PathBuf::from(dir);
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent()?.parent()?.parent().map(Path::to_path_buf))
+        .unwrap_or_else(|| repo_root().join("target"))
+}
+
+/// The agent binary and the fake NVML library, copied to `dir` (the shared target directory may
+/// be rebuilt by others meanwhile); `GPUPOOL_AGENT_BIN` / `GPUPOOL_FAKE_NVML_LIB` name prebuilt ones.
+fn agent_binaries(dir: &Path) -> Result<(PathBuf, PathBuf)> {
+    let from_env = |var: &str| std::env::var_os(var).map(PathBuf::from);
+    let (agent, nvml) = match (
+        from_env("GPUPOOL_AGENT_BIN"),
+        from_env("GPUPOOL_FAKE_NVML_LIB"),
+    ) {
+        (Some(a), Some(n)) => (a, n),
+        _ => {
+            let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+                .current_dir(repo_root())
+                .args([
+                    "build",
+                    "-p",
+                    "gpupool-device-plugin",
+                    "--bin",
+                    "gpupool-device-plugin",
+                    "-p",
+                    "gpupool-fake-nvml",
+                ])
+                .env("CARGO_TARGET_DIR", target_dir())
+                .stdin(Stdio::null())
+                .status()
+                .context("running cargo build for the agent")?;
+            ensure!(
+                status.success(),
+                "cargo build of the agent failed ({status})"
+            );
+            let debug = target_dir().join("debug");
+            (
+                debug.join("gpupool-device-plugin"),
+                debug.join("libnvidia_ml.so"),
+            )
+        }
+    };
+    let agent_copy = dir.join("gpupool-device-plugin");
+    let nvml_copy = dir.join("libnvidia-ml.so.1");
+    fs::copy(&agent, &agent_copy).with_context(|| format!("copying {}", agent.display()))?;
+    fs::copy(&nvml, &nvml_copy).with_context(|| format!("copying {}", nvml.display()))?;
+    fs::set_permissions(&agent_copy, fs::Permissions::from_mode(0o755))?;
+    Ok((agent_copy, nvml_copy))
+}
+
+/// A driver root as a driver installs it, device nodes as plain files (for validation).
+fn fake_driver_root(root: &Path, gpus: u32) -> Result<()> {
+    let write = |rel: &str, content: &str| -> Result<()> {
+        let path = root.join(rel);
+        fs::create_dir_all(path.parent().context("no parent")?)?;
+        fs::write(path, content)?;
+        Ok(())
+    };
+    for n in [
+        "nvidiactl",
+        "nvidia-uvm",
+        "nvidia-uvm-tools",
+        "nvidia-modeset",
+    ] {
+        write(&format!("dev/{n}"), "")?;
+    }
+    let mut minors = String::from("config 1\nmonitor 2\n");
+    let mut next = 3;
+    for gpu in 0..gpus {
+        write(&format!("dev/nvidia{gpu}"), "")?;
+        for gi in 0..15 {
+            minors.push_str(&format!("gpu{gpu}/gi{gi}/access {next}\n"));
+            write(&format!("dev/nvidia-caps/nvidia-cap{next}"), "")?;
+            next += 1;
+            for ci in 0..8 {
+                minors.push_str(&format!("gpu{gpu}/gi{gi}/ci{ci}/access {next}\n"));
+                write(&format!("dev/nvidia-caps/nvidia-cap{next}"), "")?;
+                next += 1;
+            }
+        }
+    }
+    write("proc/driver/nvidia-caps/mig-minors", &minors)?;
+    write(
+        "proc/driver/nvidia/version",
+        &format!("NVRM version: NVIDIA UNIX x86_64 Kernel Module  {DRIVER}\n"),
+    )?;
+    for lib in ["libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler"] {
+        write(&format!("usr/lib/x86_64-linux-gnu/{lib}.so.{DRIVER}"), "")?;
+    }
+    write("usr/bin/nvidia-smi", "")?;
+    Ok(())
+}
+
+/// The agent for `real-node-0`; SIGKILLed on drop.
+struct Agent {
+    child: Child,
+    log: PathBuf,
+    state: PathBuf,
+    cdi_spec: PathBuf,
+}
+
+impl Agent {
+    fn start(dir: &Path, kubelet: &RealKubelet, cluster: &Cluster) -> Result<Agent> {
+        let (agent, nvml) = agent_binaries(dir)?;
+        let fixture = dir.join("fixture.yaml");
+        fs::write(
+            &fixture,
+            format!(
+                "node: {}\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\n",
+                kubelet.node
+            ),
+        )?;
+        let driver_root = dir.join("driver");
+        fake_driver_root(&driver_root, 2)?;
+        let log = dir.join("agent.log");
+        let state = dir.join("nvml-state.json");
+        let out = fs::File::create(&log)?;
+        // The kubelet's device-plugin directory is `<kubelet-dir>/device-plugins`.
+        let kubelet_dir = kubelet
+            .device_plugin_dir
+            .parent()
+            .context("device-plugin dir has no parent")?;
+        let child = Command::new(agent)
+            .arg("--node-name")
+            .arg(&kubelet.node)
+            .arg("--kubelet-dir")
+            .arg(kubelet_dir)
+            .arg("--pod-resources-socket")
+            .arg(&kubelet.pod_resources)
+            .arg("--cdi-dir")
+            .arg(dir.join("cdi"))
+            .arg("--driver-root")
+            .arg(&driver_root)
+            .arg("--proc-root")
+            .arg(driver_root.join("proc"))
+            .args(["--backend", "nvml", "--nvml-lib"])
+            .arg(&nvml)
+            .args([
+                "--metrics-addr",
+                "127.0.0.1:0",
+                "--validate-interval-secs",
+                "2",
+            ])
+            .env("GPUPOOL_FAKE_NVML_FIXTURE", &fixture)
+            .env("GPUPOOL_FAKE_NVML_STATE", &state)
+            .env("KUBECONFIG", cluster.kubeconfig())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .context("starting the agent")?;
+        Ok(Agent {
+            child,
+            log,
+            state,
+            cdi_spec: dir.join("cdi/gpupool-nvidia.yaml"),
+        })
+    }
+
+    fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Read-modify-write of the fake NVML's state file under its lock, as the library does.
+    fn update_nvml_state(&self, change: impl FnOnce(&mut Value) -> Result<()>) -> Result<()> {
+        let mut lock_path = self.state.clone().into_os_string();
+        lock_path.push(".lock");
+        let lock = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)?;
+        lock.lock()?;
+        let mut state: Value = serde_json::from_str(&fs::read_to_string(&self.state)?)?;
+        change(&mut state)?;
+        let mut tmp = self.state.clone().into_os_string();
+        tmp.push(".e2e.tmp");
+        fs::write(&tmp, serde_json::to_vec_pretty(&state)?)?;
+        fs::rename(&tmp, &self.state)?;
+        drop(lock);
+        Ok(())
+    }
+
+    /// Injects a fault now (`at: 0` is always in the past of the library's clock).
+    fn inject_fault(&self, gpu: u32, fault: Value) -> Result<()> {
+        self.update_nvml_state(|s| {
+            let seq = s["next_seq"].as_u64().unwrap_or(0);
+            s["next_seq"] = json!(seq + 1);
+            let injected = s["injected"]
+                .as_array_mut()
+                .context("state has no injected list")?;
+            injected.push(json!({"seq": seq, "fault": {"at": 0.0, "gpu": gpu, "fault": fault}}));
+            Ok(())
+        })
+    }
+
+    /// A GPU reset: clears every fault injected so far on `gpu`.
+    fn reset_gpu(&self, gpu: u32) -> Result<()> {
+        self.update_nvml_state(|s| {
+            let seq = s["next_seq"].as_u64().unwrap_or(0);
+            if !s["clears"].is_object() {
+                s["clears"] = json!({});
+            }
+            s["clears"][gpu.to_string()] = json!({"at": 0.0, "seq": seq});
+            Ok(())
+        })
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// --- cluster helpers ---------------------------------------------------------------------------
+
+/// (capacity, allocatable) of `resource` on the Node; absent resources are `None`.
+async fn node_resource(
+    client: &Client,
+    node: &str,
+    resource: &str,
+) -> Result<(Option<i64>, Option<i64>)> {
+    let n = Api::<Node>::all(client.clone()).get(node).await?;
+    let status = n.status.unwrap_or_default();
+    let get =
+        |m: Option<&BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>| {
+            m.and_then(|m| m.get(resource))
+                .and_then(|q| q.0.parse::<i64>().ok())
+        };
+    Ok((
+        get(status.capacity.as_ref()),
+        get(status.allocatable.as_ref()),
+    ))
+}
+
+/// Waits until every `(resource, capacity, allocatable)` holds on the Node (`None` = absent).
+async fn wait_node_resources(
+    client: &Client,
+    node: &str,
+    what: &str,
+    timeout: Duration,
+    want: &[(&str, Option<i64>, Option<i64>)],
+) -> Result<()> {
+    poll(what, timeout, Duration::from_millis(100), || async move {
+        let mut seen = Vec::new();
+        let mut all = true;
+        for (resource, cap, alloc) in want {
+            let got = node_resource(client, node, resource).await?;
+            all &= got == (*cap, *alloc);
+            seen.push(format!("{resource}={got:?}"));
+        }
+        if all {
+            Ok(Some(()))
+        } else {
+            bail!("node has {}", seen.join(", "))
+        }
+    })
+    .await
+}
+
+async fn wait_status(
+    client: &Client,
+    name: &str,
+    what: &str,
+    timeout: Duration,
+    pred: impl Fn(&GpuNodeStatus) -> bool,
+) -> Result<GpuNode> {
+    let api: Api<GpuNode> = Api::all(client.clone());
+    let pred = &pred;
+    poll(what, timeout, Duration::from_millis(250), || {
+        let api = api.clone();
+        async move {
+            let gn = api.get(name).await?;
+            Ok(gn.status.as_ref().is_some_and(pred).then_some(gn))
+        }
+    })
+    .await
+}
+
+fn gpu_pod(scope: &TestScope, name: &str, node: &str, resource: &str, count: u32) -> Result<Pod> {
+    let (k, v) = scope.label();
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": scope.namespace(), "labels": {k: v}},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "tolerations": [{"key": "e2e.gpupool.io/real-kubelet", "operator": "Exists", "effect": "NoSchedule"}],
+            // No token volume: nothing to mount for a pod that never runs.
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{
+                "name": "cuda",
+                "image": "registry.invalid/gpupool/cuda-e2e:1",
+                "resources": {"limits": {resource: count.to_string()}},
+            }],
+        },
+    }))?)
+}
+
+async fn create_pod(client: &Client, scope: &TestScope, pod: &Pod) -> Result<()> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), scope.namespace());
+    // The namespace's default ServiceAccount appears shortly after the namespace.
+    poll(
+        "the pod to be created",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async {
+            match api.create(&PostParams::default(), pod).await {
+                Ok(_) => Ok(Some(())),
+                Err(e) => Err(e.into()),
+            }
+        },
+    )
+    .await
+}
+
+async fn wait_pod(
+    client: &Client,
+    scope: &TestScope,
+    name: &str,
+    what: &str,
+    pred: impl Fn(&Pod) -> bool,
+) -> Result<Pod> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), scope.namespace());
+    let pred = &pred;
+    poll(
+        what,
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        || {
+            let api = api.clone();
+            async move {
+                let pod = api.get(name).await?;
+                Ok(pred(&pod).then_some(pod))
+            }
+        },
+    )
+    .await
+}
+
+fn phase(pod: &Pod) -> &str {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("")
+}
+
+async fn delete_pod_and_wait(client: &Client, scope: &TestScope, name: &str) -> Result<()> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), scope.namespace());
+    api.delete(name, &DeleteParams::default().grace_period(0))
+        .await?;
+    poll(
+        &format!("pod {name} to be gone"),
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || {
+            let api = api.clone();
+            async move { Ok(api.get_opt(name).await?.is_none().then_some(())) }
+        },
+    )
+    .await
+}
+
+/// The MIG device (or whole GPU) the agent reports `pod` on: (kubelet device ID, CDI name).
+fn device_of_pod(status: &GpuNodeStatus, namespace: &str, pod: &str) -> Option<(String, String)> {
+    let holds = |pods: &[gpupool_crds::node::PodRef]| {
+        pods.iter()
+            .any(|p| p.namespace == namespace && p.name == pod)
+    };
+    status.gpus.iter().find_map(|g| {
+        g.mig_devices
+            .iter()
+            .find(|m| holds(&m.idleness.pods))
+            .map(|m| (m.uuid.clone(), m.cdi_name.clone()))
+    })
+}
+
+/// The recorded CreateContainer's CDI device names, its CDI annotation values and its
+/// `NVIDIA_VISIBLE_DEVICES`.
+fn recorded_devices(record: &Value) -> (Vec<String>, Vec<String>, Option<String>) {
+    let config = &record["config"];
+    let cdi = record["cdiDevices"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|d| d.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    let annotations = config["annotations"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .filter(|(k, _)| k.starts_with("cdi.k8s.io/"))
+                .filter_map(|(_, v)| v.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    let visible = record["env"]["NVIDIA_VISIBLE_DEVICES"]
+        .as_str()
+        .map(str::to_owned);
+    (cdi, annotations, visible)
+}
+
+/// Checks that `pod` was admitted on the device the agent reports it on, and that the container
+/// the kubelet asked the runtime for carries exactly that device's CDI name.
+async fn check_admitted(
+    client: &Client,
+    scope: &TestScope,
+    kubelet: &RealKubelet,
+    agent: &Agent,
+    pod: &str,
+) -> Result<String> {
+    wait_pod(client, scope, pod, &format!("{pod} Running"), |p| {
+        phase(p) == "Running"
+    })
+    .await
+    .with_context(|| format!("kubelet log: {}", kubelet.log.display()))?;
+    let gn = wait_status(
+        client,
+        &kubelet.node,
+        &format!("the agent to report {pod} on a device (PodResources)"),
+        Duration::from_secs(60),
+        |s| device_of_pod(s, scope.namespace(), pod).is_some(),
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let status = gn.status.unwrap_or_default();
+    let (uuid, status_cdi_name) =
+        device_of_pod(&status, scope.namespace(), pod).context("device vanished")?;
+    // With the default CDI name strategies (index and UUID) the plugin hands out UUID names.
+    let want = format!("gpupool.io/gpu={uuid}");
+    let creates = kubelet.creates_of(scope.namespace(), pod)?;
+    ensure!(
+        creates.len() == 1,
+        "{pod}: {} CreateContainer records: {creates:?}",
+        creates.len()
+    );
+    let (cdi, annotations, visible) = recorded_devices(&creates[0]);
+    ensure!(
+        cdi == [want.clone()],
+        "{pod}: CreateContainer CDI devices {cdi:?}; the pod holds {uuid}, so want [{want}]"
+    );
+    ensure!(
+        annotations == [want.clone()],
+        "{pod}: CDI annotation {annotations:?}, want {want}"
+    );
+    ensure!(
+        visible.as_deref() == Some(uuid.as_str()),
+        "{pod}: NVIDIA_VISIBLE_DEVICES {visible:?}, want {uuid}"
+    );
+    // The runtime could resolve it: the agent's CDI spec defines that device.
+    let spec: serde_yaml::Value = serde_yaml::from_str(&fs::read_to_string(&agent.cdi_spec)?)?;
+    let defined = spec["devices"]
+        .as_sequence()
+        .is_some_and(|d| d.iter().any(|d| d["name"].as_str() == Some(uuid.as_str())));
+    ensure!(
+        defined,
+        "{want} is not defined in {}",
+        agent.cdi_spec.display()
+    );
+    if status_cdi_name != want {
+        eprintln!(
+            "e2e: note: GpuNode status gives this MIG device cdiName {status_cdi_name}, \
+             while Allocate handed out {want} (both are in the CDI spec)"
+        );
+    }
+    eprintln!("e2e: {pod} admitted on {uuid}; CreateContainer carried CDI device {want}");
+    Ok(want)
+}
+
+/// The time a file was last changed (a socket's creation time).
+fn ctime(path: &Path) -> Option<SystemTime> {
+    let m = fs::metadata(path).ok()?;
+    SystemTime::UNIX_EPOCH.checked_add(Duration::new(
+        u64::try_from(m.ctime()).ok()?,
+        u32::try_from(m.ctime_nsec()).ok()?,
+    ))
+}
+
+fn since(later: SystemTime, earlier: SystemTime) -> String {
+    match later.duration_since(earlier) {
+        Ok(d) => format!("{:.3}s", d.as_secs_f64()),
+        Err(e) => format!("-{:.3}s", e.duration().as_secs_f64()),
+    }
+}
+
+/// Whether this layer runs, and why not.
+fn skip_reason() -> Option<String> {
+    if std::env::var("GPUPOOL_E2E_KUBELET").as_deref() != Ok("1") {
+        return Some("the real-kubelet layer is opt-in: set GPUPOOL_E2E_KUBELET=1".to_owned());
+    }
+    match Command::new(kubelet_script())
+        .arg("check")
+        .stdin(Stdio::null())
+        .output()
+    {
+        Ok(out) if out.status.success() => None,
+        Ok(out) => Some(String::from_utf8_lossy(&out.stdout).trim().to_owned()),
+        Err(e) => Some(format!("e2e/kubelet check could not run: {e}")),
+    }
+}
+
+#[tokio::test]
+async fn real_kubelet_admits_gpu_pods_through_the_plugin() -> Result<()> {
+    if let Some(why) = skip_reason() {
+        eprintln!("e2e: SKIPPED real_kubelet_admits_gpu_pods_through_the_plugin: {why}");
+        return Ok(());
+    }
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let client = cluster.client().await?;
+    let scope = TestScope::new(cluster, "kubelet")?;
+    let kubelet = RealKubelet::up(cluster)?;
+    let node = kubelet.node.clone();
+    let dir = repo_root()
+        .join("target/e2e-kubelet-agent")
+        .join(scope.prefix());
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir)?;
+
+    // The GpuNode the operator would make: GPU 0 split into three 1g.10gb, GPU 1 whole.
+    let gpunodes: Api<GpuNode> = Api::all(client.clone());
+    if gpunodes.get_opt(&node).await?.is_some() {
+        gpunodes.delete(&node, &DeleteParams::default()).await?;
+        poll(
+            "an old GpuNode to go",
+            Duration::from_secs(30),
+            Duration::from_millis(200),
+            || {
+                let api = gpunodes.clone();
+                let node = node.clone();
+                async move { Ok(api.get_opt(&node).await?.is_none().then_some(())) }
+            },
+        )
+        .await?;
+    }
+    let layout = |profile: &str, count: u32| NodeMigSpec {
+        strategy: MigStrategy::Mixed,
+        managed: true,
+        layout_name: Some(format!("gpu0-{profile}")),
+        gpus: vec![GpuMigSpec {
+            index: 0,
+            enabled: true,
+            profiles: BTreeMap::from([(profile.to_owned(), count)]),
+        }],
+    };
+    let mut gn = GpuNode::new(
+        &node,
+        GpuNodeSpec {
+            pool: scope.prefix().to_owned(),
+            driver: DriverPolicy {
+                min_version: Some("550".into()),
+                cuda_version: Some("12.4".into()),
+                ..DriverPolicy::default()
+            },
+            cdi: Default::default(),
+            mig: layout("1g.10gb", 3),
+            utilization: UtilizationSpec {
+                idle_threshold: 5,
+                sample_interval: Duration::from_secs(1).into(),
+            },
+        },
+    );
+    let (k, v) = scope.label();
+    gn.metadata.labels = Some(BTreeMap::from([(k.to_owned(), v.to_owned())]));
+    scope.track_kind("gpunodes.gpupool.io");
+    gpunodes.create(&PostParams::default(), &gn).await?;
+    let agent = Agent::start(&dir, &kubelet, cluster)?;
+
+    // 1. Capacity and allocatable from the plugin's ListAndWatch.
+    wait_status(
+        &client,
+        &node,
+        "MIG Applied on GPU 0",
+        Duration::from_secs(90),
+        |s| {
+            s.mig.state == MigState::Applied
+                && s.gpus.first().is_some_and(|g| g.mig_devices.len() == 3)
+        },
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    wait_node_resources(
+        &client,
+        &node,
+        "capacity and allocatable: 1 GPU, 3 × 1g.10gb",
+        Duration::from_secs(60),
+        &[(GPU, Some(1), Some(1)), (MIG_1G, Some(3), Some(3))],
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    eprintln!("e2e: node {node}: {GPU}=1, {MIG_1G}=3 in capacity and allocatable");
+
+    // 2. A pod asking for one MIG device is admitted on it; the CDI name reaches the runtime.
+    let pod_a = scope.name("a");
+    create_pod(&client, &scope, &gpu_pod(&scope, &pod_a, &node, MIG_1G, 1)?).await?;
+    let cdi_a = check_admitted(&client, &scope, &kubelet, &agent, &pod_a).await?;
+
+    // 3. More than is free (3 asked, 2 free) stays Pending, unschedulable.
+    let pod_b = scope.name("too-many");
+    create_pod(&client, &scope, &gpu_pod(&scope, &pod_b, &node, MIG_1G, 3)?).await?;
+    let b = wait_pod(
+        &client,
+        &scope,
+        &pod_b,
+        "the scheduler to refuse the pod",
+        |p| {
+            p.status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|c| {
+                    c.iter().any(|c| {
+                        c.type_ == "PodScheduled"
+                            && c.status == "False"
+                            && c.reason.as_deref() == Some("Unschedulable")
+                    })
+                })
+        },
+    )
+    .await?;
+    ensure!(phase(&b) == "Pending", "{:?}", b.status);
+    ensure!(
+        b.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none(),
+        "bound anyway"
+    );
+    ensure!(
+        kubelet.creates_of(scope.namespace(), &pod_b)?.is_empty(),
+        "a container was created for the pending pod"
+    );
+    delete_pod_and_wait(&client, &scope, &pod_b).await?;
+
+    // 4. An uncorrectable ECC error on GPU 1: Unhealthy, allocatable drops by one.
+    agent.inject_fault(1, json!({"double_bit_ecc": 1}))?;
+    wait_node_resources(
+        &client,
+        &node,
+        "GPU 1 unhealthy: allocatable 0 of capacity 1",
+        Duration::from_secs(60),
+        &[(GPU, Some(1), Some(0)), (MIG_1G, Some(3), Some(3))],
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    eprintln!("e2e: double-bit ECC on GPU 1: {GPU} allocatable 1 → 0, capacity stays 1");
+    // A GPU reset clears it; the agent brings the GPU back after its hold-down (checked below).
+    agent.reset_gpu(1)?;
+    let reset_at = Instant::now();
+
+    // 5. Kubelet restart: it wipes the plugin sockets; the plugin re-registers.
+    let mig_socket = kubelet
+        .device_plugin_dir
+        .join("gpupool-nvidia.com-mig-1g.10gb.sock");
+    let old_identity = fs::metadata(kubelet.kubelet_socket()).map(|m| m.ino()).ok();
+    let offset = kubelet.log_len();
+    let restart_started = SystemTime::now();
+    kubelet.restart()?;
+    let registered = poll(
+        "the plugin to re-register with the restarted kubelet",
+        Duration::from_secs(60),
+        Duration::from_millis(50),
+        || {
+            let log = kubelet.log_since(offset);
+            async move {
+                let all = [GPU, MIG_1G].iter().all(|r| {
+                    log.lines().any(|l| {
+                        l.contains("Got registration request from device plugin")
+                            && l.contains(&format!("resourceName=\"{r}\""))
+                    })
+                });
+                Ok(all.then(SystemTime::now))
+            }
+        },
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let new_identity = fs::metadata(kubelet.kubelet_socket()).map(|m| m.ino()).ok();
+    ensure!(
+        new_identity.is_some() && new_identity != old_identity,
+        "kubelet.sock was not recreated"
+    );
+    wait_node_resources(
+        &client,
+        &node,
+        "capacity back after the kubelet restart",
+        Duration::from_secs(60),
+        &[(GPU, Some(1), Some(0)), (MIG_1G, Some(3), Some(3))],
+    )
+    .await?;
+    let capacity_back = SystemTime::now();
+    let kubelet_sock = ctime(&kubelet.kubelet_socket()).context("no kubelet.sock")?;
+    let plugin_sock = ctime(&mig_socket).context("no mig plugin socket")?;
+    eprintln!(
+        "e2e: kubelet restart: kubelet.sock recreated {} after the restart began; our socket \
+         recreated {} after kubelet.sock; registration seen (log poll, 50 ms) {} after kubelet.sock; \
+         Node allocatable back (API poll, 100 ms) {} after kubelet.sock",
+        since(kubelet_sock, restart_started),
+        since(plugin_sock, kubelet_sock),
+        since(registered, kubelet_sock),
+        since(capacity_back, kubelet_sock),
+    );
+    // The pod admitted before the restart is still there, and a new one is admitted.
+    let a = Api::<Pod>::namespaced(client.clone(), scope.namespace())
+        .get(&pod_a)
+        .await?;
+    ensure!(
+        phase(&a) == "Running",
+        "{pod_a} after restart: {:?}",
+        a.status
+    );
+    let pod_c = scope.name("after-restart");
+    create_pod(&client, &scope, &gpu_pod(&scope, &pod_c, &node, MIG_1G, 1)?).await?;
+    let cdi_c = check_admitted(&client, &scope, &kubelet, &agent, &pod_c).await?;
+    ensure!(cdi_c != cdi_a, "two pods on one device: {cdi_a}");
+
+    // 6. The GPU reset from step 4: healthy again after the hold-down (5 min by default).
+    wait_node_resources(
+        &client,
+        &node,
+        "GPU 1 healthy again after the reset and the agent's hold-down",
+        Duration::from_secs(480),
+        &[(GPU, Some(1), Some(1))],
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    eprintln!(
+        "e2e: GPU 1 back in allocatable {:.0}s after the reset",
+        reset_at.elapsed().as_secs_f64()
+    );
+
+    // 7. A MIG layout change: 1g.10gb goes away from the Node, 3g.40gb appears.
+    delete_pod_and_wait(&client, &scope, &pod_a).await?;
+    delete_pod_and_wait(&client, &scope, &pod_c).await?;
+    let patch = json!({"spec": {"mig": layout("3g.40gb", 1)}});
+    gpunodes
+        .patch(&node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    wait_status(
+        &client,
+        &node,
+        "the new layout Applied",
+        Duration::from_secs(90),
+        |s| {
+            s.mig.state == MigState::Applied
+                && s.gpus.first().is_some_and(|g| {
+                    g.mig_devices.len() == 1 && g.mig_devices[0].profile == "3g.40gb"
+                })
+        },
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    wait_node_resources(
+        &client,
+        &node,
+        "3g.40gb advertised, 1g.10gb down to nothing",
+        Duration::from_secs(60),
+        &[(MIG_3G, Some(1), Some(1)), (MIG_1G, Some(0), Some(0))],
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let zeroed = Instant::now();
+    // The kubelet drops a resource whose plugin stopped once its 5-minute grace period ends.
+    wait_node_resources(
+        &client,
+        &node,
+        "1g.10gb gone from capacity",
+        Duration::from_secs(420),
+        &[(MIG_3G, Some(1), Some(1)), (MIG_1G, None, None)],
+    )
+    .await?;
+    eprintln!(
+        "e2e: MIG re-layout: {MIG_1G} at 0 at once, gone from capacity {:.0}s later",
+        zeroed.elapsed().as_secs_f64()
+    );
+    let _ = fs::remove_dir_all(&dir);
+    drop(agent);
+    Ok(())
+}
