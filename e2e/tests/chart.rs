@@ -45,27 +45,32 @@ fn template(tools: &Tools, release: &str, namespace: &str, sets: &[&str]) -> Res
 
 /// The `kind/name` of every object in a rendered manifest.
 fn kinds_and_names(rendered: &str) -> Result<Vec<String>> {
-    Ok(parse_objects(rendered, std::path::Path::new("helm-template"))?
-        .into_iter()
-        .map(|m| {
-            format!(
-                "{}/{}",
-                m.object
-                    .types
-                    .as_ref()
-                    .map(|t| t.kind.clone())
-                    .unwrap_or_default(),
-                m.object.metadata.name.clone().unwrap_or_default()
-            )
-        })
-        .collect())
+    Ok(
+        parse_objects(rendered, std::path::Path::new("helm-template"))?
+            .into_iter()
+            .map(|m| {
+                format!(
+                    "{}/{}",
+                    m.object
+                        .types
+                        .as_ref()
+                        .map(|t| t.kind.clone())
+                        .unwrap_or_default(),
+                    m.object.metadata.name.clone().unwrap_or_default()
+                )
+            })
+            .collect(),
+    )
 }
 
 #[test]
 fn chart_lints_strictly() -> Result<()> {
     let tools = Tools::ensure()?;
     let out = helm(&tools, None, &["lint", "--strict", &chart_path()])?;
-    assert!(out.contains("1 chart(s) linted, 0 chart(s) failed"), "{out}");
+    assert!(
+        out.contains("1 chart(s) linted, 0 chart(s) failed"),
+        "{out}"
+    );
     Ok(())
 }
 
@@ -202,13 +207,7 @@ fn default_render_has_the_documented_shape() -> Result<()> {
 fn server_dry_run(cluster: &Cluster, release: &str, ns: &str, sets: &[&str]) -> Result<String> {
     let rendered = template(cluster.tools(), release, ns, sets)?;
     let run = cluster.kubectl().try_run(
-        [
-            "apply",
-            "--dry-run=server",
-            "--validate=strict",
-            "-f",
-            "-",
-        ],
+        ["apply", "--dry-run=server", "--validate=strict", "-f", "-"],
         Some(&rendered),
     )?;
     ensure!(
@@ -307,7 +306,8 @@ async fn wrong_values_fail_with_the_schema_message() -> Result<()> {
         let run = helm_try(&tools, None, &["template", "x", &chart, "--set", set])?;
         assert!(!run.success, "{set} was accepted");
         assert!(
-            run.stderr.contains("values don't meet the specifications of the schema")
+            run.stderr
+                .contains("values don't meet the specifications of the schema")
                 && run.stderr.contains(expected),
             "{set}: {}",
             run.stderr
@@ -506,11 +506,11 @@ fn dockerfiles_build_in_stages_from_pinned_bases() -> Result<()> {
             if image == "build" || image == "scratch" {
                 continue;
             }
-            let tagged = image.rsplit('/').next().is_some_and(|last| last.contains(':'));
-            ensure!(
-                tagged || image.contains('@'),
-                "{path}: {image} has no tag"
-            );
+            let tagged = image
+                .rsplit('/')
+                .next()
+                .is_some_and(|last| last.contains(':'));
+            ensure!(tagged || image.contains('@'), "{path}: {image} has no tag");
             ensure!(
                 !image.ends_with(":latest"),
                 "{path}: {image} uses the latest tag"

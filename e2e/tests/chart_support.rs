@@ -34,7 +34,10 @@ pub fn helm_try(tools: &Tools, kubeconfig: Option<&Path>, args: &[&str]) -> Resu
         .stdin(Stdio::null())
         // Keep helm's caches and repository config out of the user's home.
         .env("HELM_CACHE_HOME", repo_root().join("target/e2e-helm/cache"))
-        .env("HELM_CONFIG_HOME", repo_root().join("target/e2e-helm/config"))
+        .env(
+            "HELM_CONFIG_HOME",
+            repo_root().join("target/e2e-helm/config"),
+        )
         .env("HELM_DATA_HOME", repo_root().join("target/e2e-helm/data"));
     if let Some(kc) = kubeconfig {
         cmd.env("KUBECONFIG", kc);
@@ -158,7 +161,13 @@ impl Drop for Release {
         let _ = helm_try(
             tools,
             kc,
-            &["uninstall", &self.name, "-n", &self.namespace, "--wait=false"],
+            &[
+                "uninstall",
+                &self.name,
+                "-n",
+                &self.namespace,
+                "--wait=false",
+            ],
         );
         let _ = self.cluster.kubectl().run([
             "delete",

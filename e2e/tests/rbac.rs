@@ -1,0 +1,549 @@
+//! The chart's RBAC proven on the real apiserver: the operator and a node agent run as the
+//! chart's ServiceAccounts (kubeconfigs holding tokens from `kubectl create token`), not as
+//! the cluster admin.
+//!
+//! - A pool with one node is reconciled (GpuNode created, node labelled) and the agent writes
+//!   its GpuNode status and its Node's labels: the pool becomes Ready, and neither log holds a
+//!   "forbidden". The agent's token is bound to the DaemonSet's pod on its node (kwok runs
+//!   that pod), as the kubelet's projected token is; the chart's admission policy then lets it
+//!   write only that node's objects, and only its own labels there.
+//! - With one verb removed from the operator's ClusterRole (`patch` on nodes), the operator
+//!   logs the apiserver's "forbidden" naming the verb and resource, keeps retrying rather
+//!   than hanging or exiting, and converges once the verb is back.
+
+#[path = "chart_support.rs"]
+mod chart;
+#[path = "operator_support.rs"]
+mod op;
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use chart::{Release, service_account_kubeconfig};
+use gpupool_crds::labels::{POOL_LABEL, PRODUCT_LABEL};
+use gpupool_e2e::wait::poll;
+use gpupool_e2e::{Cluster, TestScope, crds, repo_root};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+const DRIVER: &str = "550.54.15";
+const POLL: Duration = Duration::from_millis(250);
+const REACT: Duration = Duration::from_secs(90);
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("target"))
+}
+
+/// The agent binary, built once per test process and copied out of the shared target
+/// directory (others may rebuild it meanwhile).
+fn agent_binary() -> Result<PathBuf> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let build = || -> Result<PathBuf> {
+                let status =
+                    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+                        .current_dir(repo_root())
+                        .args([
+                            "build",
+                            "-p",
+                            "gpupool-device-plugin",
+                            "--bin",
+                            "gpupool-device-plugin",
+                        ])
+                        .env("CARGO_TARGET_DIR", target_dir())
+                        .stdin(Stdio::null())
+                        .status()
+                        .context("running cargo build for the agent")?;
+                ensure!(
+                    status.success(),
+                    "cargo build of the agent failed ({status})"
+                );
+                let private =
+                    repo_root().join(format!("target/e2e-rbac-bin/{}", std::process::id()));
+                fs::create_dir_all(&private)?;
+                let copy = private.join("gpupool-device-plugin");
+                fs::copy(target_dir().join("debug/gpupool-device-plugin"), &copy)?;
+                fs::set_permissions(&copy, fs::Permissions::from_mode(0o755))?;
+                Ok(copy)
+            };
+            build().map_err(|e| format!("{e:#}"))
+        })
+        .clone()
+        .map_err(|e| anyhow::anyhow!(e))
+}
+
+/// A child process (operator or agent) with its log; killed on drop.
+struct Process {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Process {
+    fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn log_tail(&self) -> String {
+        let text = self.log_text();
+        let lines: Vec<&str> = text.lines().collect();
+        format!(
+            "--- {} ---\n{}",
+            self.log.display(),
+            lines[lines.len().saturating_sub(30)..].join("\n")
+        )
+    }
+
+    fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn log_file(dir: &Path, name: &str) -> Result<(PathBuf, fs::File, fs::File)> {
+    fs::create_dir_all(dir)?;
+    let path = dir.join(name);
+    let out = fs::File::create(&path)?;
+    let err = out.try_clone()?;
+    Ok((path, out, err))
+}
+
+/// Starts the operator as the release's ServiceAccount, managing the scope's pools only and
+/// electing a leader on the chart's Lease in the release namespace.
+fn start_operator(
+    scope: &TestScope,
+    release: &Release,
+    kubeconfig: &Path,
+    dir: &Path,
+) -> Result<Process> {
+    let (log, out, err) = log_file(dir, "operator.log")?;
+    let child = Command::new(op::operator_binary()?)
+        .args([
+            "--http-addr",
+            "127.0.0.1:0",
+            "--pool-selector",
+            &scope.selector(),
+            "--lease-name",
+            "gpupool-operator",
+            "--lease-namespace",
+            &release.namespace,
+            "--identity",
+            "rbac-e2e",
+            "--lease-duration",
+            "6",
+            "--lease-grace",
+            "2",
+            "--log",
+            "info,gpupool_operator=debug",
+        ])
+        .env("KUBECONFIG", kubeconfig)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .spawn()
+        .context("starting gpupool-operator")?;
+    Ok(Process { child, log })
+}
+
+/// A node's fake host for the agent: fixture, kubelet dir, CDI dir, driver root whose device
+/// nodes are plain files.
+fn fake_host(dir: &Path, node: &str) -> Result<()> {
+    let _ = fs::remove_dir_all(dir.join("host"));
+    let root = dir.join("host/driver");
+    let write = |rel: &str, content: &str| -> Result<()> {
+        let path = root.join(rel);
+        fs::create_dir_all(path.parent().context("no parent")?)?;
+        fs::write(path, content)?;
+        Ok(())
+    };
+    for n in [
+        "nvidiactl",
+        "nvidia-uvm",
+        "nvidia-uvm-tools",
+        "nvidia0",
+        "nvidia1",
+    ] {
+        write(&format!("dev/{n}"), "")?;
+    }
+    write(
+        "proc/driver/nvidia-caps/mig-minors",
+        "config 1\nmonitor 2\n",
+    )?;
+    write(
+        "proc/driver/nvidia/version",
+        &format!("NVRM version: NVIDIA UNIX x86_64 Kernel Module  {DRIVER}\n"),
+    )?;
+    for lib in ["libcuda", "libnvidia-ml"] {
+        write(&format!("usr/lib/x86_64-linux-gnu/{lib}.so.{DRIVER}"), "")?;
+    }
+    fs::create_dir_all(dir.join("host/kubelet/device-plugins"))?;
+    fs::create_dir_all(dir.join("host/cdi"))?;
+    fs::write(
+        dir.join("host/fixture.yaml"),
+        format!(
+            "node: {node}\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\n"
+        ),
+    )?;
+    Ok(())
+}
+
+/// Starts the agent for `node` as the release's agent ServiceAccount, simulated GPUs.
+fn start_agent(node: &str, kubeconfig: &Path, dir: &Path) -> Result<Process> {
+    fake_host(dir, node)?;
+    let host = dir.join("host");
+    let (log, out, err) = log_file(dir, "agent.log")?;
+    let child = Command::new(agent_binary()?)
+        .arg("--node-name")
+        .arg(node)
+        .args(["--backend", "sim", "--fixture"])
+        .arg(host.join("fixture.yaml"))
+        .arg("--kubelet-dir")
+        .arg(host.join("kubelet"))
+        .arg("--cdi-dir")
+        .arg(host.join("cdi"))
+        .arg("--driver-root")
+        .arg(host.join("driver"))
+        .arg("--proc-root")
+        .arg(host.join("driver/proc"))
+        .args([
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--validate-interval-secs",
+            "2",
+        ])
+        .env("KUBECONFIG", kubeconfig)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .spawn()
+        .context("starting gpupool-device-plugin")?;
+    Ok(Process { child, log })
+}
+
+/// The agent DaemonSet's pod on `node` (kwok runs it).
+async fn agent_pod_on(client: &Client, release: &Release, node: &str) -> Result<String> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &release.agent_namespace);
+    poll(&format!("the agent pod on {node}"), REACT, POLL, || {
+        let pods = pods.clone();
+        async move {
+            let list = pods
+                .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+                .await?;
+            Ok(list.items.first().map(ResourceExt::name_any))
+        }
+    })
+    .await
+}
+
+/// Installs the chart for the scope (the CRDs are installed by the test, not the release).
+fn install(cluster: &'static Cluster, scope: &TestScope) -> Result<Release> {
+    Release::install(
+        cluster,
+        &scope.name("gp"),
+        scope.namespace(),
+        &["crds.install=false", "operator.logJson=false"],
+    )
+}
+
+fn work_dir(scope: &TestScope) -> PathBuf {
+    repo_root().join("target/e2e-rbac").join(scope.prefix())
+}
+
+#[tokio::test]
+async fn operator_and_agent_work_as_the_charts_service_accounts() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let scope = TestScope::new(cluster, "rbac-core")?;
+    let admin = cluster.client().await?;
+    let dir = work_dir(&scope);
+    let node = op::create_node(
+        cluster,
+        &scope,
+        &scope.name("n0"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[],
+    )?;
+    let other = op::create_node(
+        cluster,
+        &scope,
+        &scope.name("n1"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[("e2e.gpupool.io/role", "not-in-pool")],
+    )?;
+    let release = install(cluster, &scope)?;
+
+    let op_kc = service_account_kubeconfig(
+        cluster,
+        &release.namespace,
+        &release.operator_name(),
+        None,
+        &dir.join("operator.kubeconfig"),
+    )?;
+    let pod = agent_pod_on(&admin, &release, &node).await?;
+    let agent_kc = service_account_kubeconfig(
+        cluster,
+        &release.agent_namespace,
+        &release.agent_name(),
+        Some(&pod),
+        &dir.join("agent.kubeconfig"),
+    )?;
+    let whoami = gpupool_e2e::Kubectl::new(cluster.kubectl_path(), &agent_kc).run([
+        "auth",
+        "whoami",
+        "-o",
+        "jsonpath={.status.userInfo.username} {.status.userInfo.extra.authentication\\.kubernetes\\.io/node-name[0]}",
+    ])?;
+    assert_eq!(
+        whoami.trim(),
+        format!(
+            "system:serviceaccount:{}:{} {node}",
+            release.agent_namespace,
+            release.agent_name()
+        )
+    );
+
+    let mut operator = start_operator(&scope, &release, &op_kc, &dir)?;
+    let mut agent = start_agent(&node, &agent_kc, &dir)?;
+    let logs = |operator: &Process, agent: &Process| {
+        format!("{}\n{}", operator.log_tail(), agent.log_tail())
+    };
+
+    let pool = scope.name("pool");
+    let (k, v) = scope.label();
+    op::apply_pool(
+        &admin,
+        &scope,
+        &pool,
+        json!({
+            "nodeSelector": {
+                "matchLabels": { k: v },
+                "matchExpressions": [{ "key": "e2e.gpupool.io/role", "operator": "DoesNotExist" }],
+            },
+            "driver": { "cudaVersion": "12.4" },
+        }),
+    )
+    .await?;
+
+    // The operator's side: GpuNode created, node labelled with the pool.
+    op::wait_gpunode(&admin, &node, |_| true)
+        .await
+        .with_context(|| logs(&operator, &agent))?;
+    poll("the node labelled with its pool", REACT, POLL, || {
+        let admin = admin.clone();
+        let (node, pool) = (node.clone(), pool.clone());
+        async move {
+            let labels = op::node_labels(&admin, &node).await?;
+            Ok((labels.get(POOL_LABEL) == Some(&pool)).then_some(()))
+        }
+    })
+    .await
+    .with_context(|| logs(&operator, &agent))?;
+
+    // The agent's side: GpuNode status validated, its hardware labels on the Node.
+    op::wait_gpunode(&admin, &node, |g| {
+        g.status
+            .as_ref()
+            .is_some_and(|s| s.validated.as_deref() == Some("True") && s.gpu_count == 2)
+    })
+    .await
+    .with_context(|| logs(&operator, &agent))?;
+    poll("the agent's labels on the node", REACT, POLL, || {
+        let admin = admin.clone();
+        let node = node.clone();
+        async move {
+            let labels = op::node_labels(&admin, &node).await?;
+            Ok(labels.get(PRODUCT_LABEL).cloned())
+        }
+    })
+    .await
+    .with_context(|| logs(&operator, &agent))?;
+
+    // Both sides together: the pool is Ready.
+    op::wait_pool(&admin, &pool, "pool Ready", |p| {
+        op::condition(p, "Ready").as_deref() == Some("True")
+    })
+    .await
+    .with_context(|| logs(&operator, &agent))?;
+    ensure!(operator.is_running(), "{}", operator.log_tail());
+    ensure!(agent.is_running(), "{}", agent.log_tail());
+    for p in [&operator, &agent] {
+        let text = p.log_text().to_ascii_lowercase();
+        ensure!(!text.contains("forbidden"), "{}", p.log_tail());
+    }
+
+    // The agent's token cannot touch another node, nor the operator's label on its own.
+    let as_agent = gpupool_e2e::Kubectl::new(cluster.kubectl_path(), &agent_kc);
+    let run = as_agent.try_run(
+        [
+            "label",
+            "node",
+            &other,
+            "--overwrite",
+            "gpupool.io/gpu.count=99",
+        ],
+        None,
+    )?;
+    ensure!(!run.success, "the agent labelled another node");
+    assert!(
+        run.stderr.contains("Forbidden")
+            && run
+                .stderr
+                .contains(&format!("may not write nodes {other}: only its own node")),
+        "{}",
+        run.stderr
+    );
+    let run = as_agent.try_run(
+        [
+            "label",
+            "node",
+            &node,
+            "--overwrite",
+            "gpupool.io/pool=stolen",
+        ],
+        None,
+    )?;
+    ensure!(!run.success, "the agent changed the pool label");
+    assert!(
+        run.stderr.contains("may change only its own Node labels"),
+        "{}",
+        run.stderr
+    );
+    let run = as_agent.try_run(["delete", "gpunode", &node, "--wait=false"], None)?;
+    ensure!(!run.success, "the agent deleted its GpuNode");
+    assert!(
+        run.stderr.contains("cannot delete resource"),
+        "{}",
+        run.stderr
+    );
+
+    op::delete_pool(&admin, &pool)
+        .await
+        .with_context(|| operator.log_tail())?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn operator_missing_a_verb_says_forbidden_and_recovers() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let scope = TestScope::new(cluster, "rbac-forbidden")?;
+    let admin = cluster.client().await?;
+    let dir = work_dir(&scope);
+    let node = op::create_node(
+        cluster,
+        &scope,
+        &scope.name("n0"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[],
+    )?;
+    let release = install(cluster, &scope)?;
+    let kubectl = cluster.kubectl();
+
+    // Take `patch` away from the operator's rule on nodes.
+    let role_name = release.operator_name();
+    let original = kubectl.run(["get", "clusterrole", &role_name, "-o", "json"])?;
+    let mut role: serde_json::Value = serde_json::from_str(&original)?;
+    let mut removed = false;
+    for rule in role["rules"].as_array_mut().context("rules")? {
+        if rule["resources"] == json!(["nodes"]) {
+            let verbs = rule["verbs"].as_array_mut().context("verbs")?;
+            verbs.retain(|v| v != "patch");
+            removed = true;
+        }
+    }
+    ensure!(removed, "no nodes rule in {original}");
+    kubectl.run_with_stdin(["replace", "-f", "-"], Some(&role.to_string()))?;
+
+    let op_kc = service_account_kubeconfig(
+        cluster,
+        &release.namespace,
+        &release.operator_name(),
+        None,
+        &dir.join("operator.kubeconfig"),
+    )?;
+    let mut operator = start_operator(&scope, &release, &op_kc, &dir)?;
+    let pool = scope.name("pool");
+    let (k, v) = scope.label();
+    op::apply_pool(
+        &admin,
+        &scope,
+        &pool,
+        json!({ "nodeSelector": { "matchLabels": { k: v } } }),
+    )
+    .await?;
+
+    // The log names what was refused, and the operator keeps running (it retries).
+    let sa_user = format!(
+        "system:serviceaccount:{}:{}",
+        release.namespace,
+        release.operator_name()
+    );
+    let line = poll(
+        "a forbidden error in the operator's log",
+        REACT,
+        POLL,
+        || {
+            let text = operator.log_text();
+            let sa_user = sa_user.clone();
+            async move {
+                Ok(text
+                    .lines()
+                    .find(|l| {
+                        l.contains("reconcile failed")
+                            && l.contains("forbidden")
+                            && l.contains(&sa_user)
+                            && l.contains("cannot patch resource \"nodes\"")
+                    })
+                    .map(str::to_owned))
+            }
+        },
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+    eprintln!("rbac: the operator logged: {line}");
+    ensure!(operator.is_running(), "{}", operator.log_tail());
+    let gp = op::wait_pool(&admin, &pool, "the pool (unreconciled)", |_| true).await?;
+    assert_ne!(op::condition(&gp, "Ready").as_deref(), Some("True"));
+
+    // Put the verb back: the next retry labels the node.
+    let mut restored: serde_json::Value = serde_json::from_str(&original)?;
+    if let Some(meta) = restored["metadata"].as_object_mut() {
+        meta.remove("resourceVersion");
+    }
+    kubectl.run_with_stdin(["apply", "-f", "-"], Some(&restored.to_string()))?;
+    poll(
+        "the node labelled once the verb is back",
+        Duration::from_secs(180),
+        POLL,
+        || {
+            let admin = admin.clone();
+            let (node, pool) = (node.clone(), pool.clone());
+            async move {
+                let labels = op::node_labels(&admin, &node).await?;
+                Ok((labels.get(POOL_LABEL) == Some(&pool)).then_some(()))
+            }
+        },
+    )
+    .await
+    .with_context(|| operator.log_tail())?;
+    op::delete_pool(&admin, &pool)
+        .await
+        .with_context(|| operator.log_tail())?;
+    Ok(())
+}
