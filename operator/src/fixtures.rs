@@ -289,3 +289,129 @@ async fn deleting_a_pool_removes_its_gpunodes_labels_taints_then_the_finalizer()
     assert_eq!(p.name_any(), "train");
     run(f, &p, expected, handle).await;
 }
+
+#[tokio::test]
+async fn an_idle_job_pod_past_its_deadline_gets_its_job_suspended_once() {
+    use gpupool_crds::labels::{IDLE_SINCE_ANNOTATION, RECLAIM_AT_ANNOTATION};
+    use gpupool_crds::node::{Activity, GpuStatus, Idleness, PodRef};
+    use gpupool_crds::policy::ReclaimMode;
+    use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus, Pod, PodSpec, PodStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let client = Client::new(service, "default");
+    let (pod_store, mut pods) = reflector::store::<Pod>();
+    let mut f = Fixture::new(client.clone());
+    // The fixture's pod store is empty; give this test one with the pod in it.
+    if let Some(ctx) = Arc::get_mut(&mut f.ctx) {
+        ctx.pods = pod_store;
+    }
+    let mut p = with_finalizer(pool("p", "2026-01-01T00:00:00Z", &[("team", "ml")]));
+    p.spec.reclaim.mode = ReclaimMode::Enforce;
+    let mut node = gpu_node("n1", Some("p"), false);
+    node.status = Some(NodeStatus {
+        conditions: Some(vec![NodeCondition {
+            type_: "Ready".into(),
+            status: "True".into(),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    });
+    let mut gn = ready_gpunode(&p, "n1");
+    if let Some(s) = gn.status.as_mut() {
+        s.gpus = vec![GpuStatus {
+            index: 0,
+            uuid: "GPU-0".into(),
+            idleness: Idleness {
+                activity: Activity::Idle,
+                idle_since: Some(Time("2020-01-01T00:00:00Z".parse().unwrap())),
+                pods: vec![PodRef {
+                    namespace: "ml".into(),
+                    name: "w".into(),
+                    container: None,
+                }],
+            },
+            ..Default::default()
+        }];
+    }
+    let mut pod = Pod {
+        spec: Some(PodSpec {
+            node_name: Some("n1".into()),
+            ..Default::default()
+        }),
+        status: Some(PodStatus {
+            phase: Some("Running".into()),
+            start_time: Some(Time("2019-06-01T00:00:00Z".parse().unwrap())),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    pod.metadata.name = Some("w".into());
+    pod.metadata.namespace = Some("ml".into());
+    pod.metadata.annotations = Some(
+        [
+            (IDLE_SINCE_ANNOTATION, "2020-01-01T00:00:00Z"),
+            (RECLAIM_AT_ANNOTATION, "2020-01-02T00:00:00Z"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect(),
+    );
+    pod.metadata.owner_references = Some(vec![OwnerReference {
+        api_version: "batch/v1".into(),
+        kind: "Job".into(),
+        name: "train".into(),
+        uid: "job-uid".into(),
+        controller: Some(true),
+        ..Default::default()
+    }]);
+    pods.apply_watcher_event(&watcher::Event::Apply(pod));
+    f.pool(&p);
+    f.node(&node);
+    f.gpunode(&gn);
+    let job = serde_json::json!({
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": { "name": "train", "namespace": "ml" },
+        "spec": { "suspend": false, "template": { "spec": { "containers": [] } } },
+    });
+    let answer = serde_json::to_value(&p).unwrap();
+    let expected = vec![
+        Expect {
+            answer: Some(job.clone()),
+            ..expect(Method::GET, "/namespaces/ml/jobs/train", |_| {})
+        },
+        Expect {
+            answer: Some(job),
+            ..expect(Method::PATCH, "/namespaces/ml/jobs/train", |body| {
+                assert_eq!(body["spec"]["suspend"], true)
+            })
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "Reclaimed");
+            assert_eq!(body["regarding"]["name"], "w");
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReclaimAction")
+        }),
+        Expect {
+            answer: Some(answer),
+            ..expect(Method::PATCH, "/gpupools/p/status", |body| {
+                let r = &body["status"]["reclaim"];
+                assert_eq!(r["reclaimed"], 1);
+                assert_eq!(r["warned"], 0);
+                assert_eq!(r["history"][0]["action"], "Suspend");
+                assert_eq!(r["history"][0]["owner"], "Job/train");
+                assert_eq!(r["history"][0]["result"], "Succeeded");
+                assert_eq!(r["history"][0]["pod"], "ml/w");
+            })
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReadyTrue")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ConflictFalse")
+        }),
+    ];
+    drop(client);
+    run(f, &p, expected, handle).await;
+}
