@@ -445,3 +445,79 @@ async fn only_under_pressure_waits_until_gpu_demand_is_pending() -> Result<()> {
     delete_pool(&client, &pool).await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_new_leader_finishes_the_reclaim_without_repeating_it() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let scope = TestScope::new(cluster, "reclaim-leader")?;
+    let client = cluster.client().await?;
+    let ns = scope.namespace();
+    let node = create_node(
+        cluster,
+        &scope,
+        &scope.name("n"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[],
+    )?;
+    let lease = scope.name("lease");
+    let mut a = Operator::start(cluster, &scope, "replica-a", &lease)?;
+    let b = Operator::start(cluster, &scope, "replica-b", &lease)?;
+    let pool = scope.name("pool");
+    apply_pool(
+        &client,
+        &scope,
+        &pool,
+        reclaim_spec(&scope, json!({ "action": "Evict", "gracePeriod": "8s" })),
+    )
+    .await?;
+    wait_gpunode(&client, &node, |_| true).await?;
+    let first = running_gpu_pod(&client, &scope, "first", &node, &[], &[]).await?;
+    report_gpus(&client, &node, &[(&first, Seen::Idle)]).await?;
+    wait_evicted(&client, ns, "first")
+        .await
+        .with_context(|| a.log_tail())?;
+
+    // Whoever leads now is killed mid-grace-period of a second pod.
+    let second = running_gpu_pod(&client, &scope, "second", &node, &[], &[]).await?;
+    report_gpus(&client, &node, &[(&second, Seen::Idle)]).await?;
+    wait_warned(&client, ns, "second").await?;
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), ns);
+    let holder = leases
+        .get(&lease)
+        .await?
+        .spec
+        .and_then(|s| s.holder_identity)
+        .unwrap_or_default();
+    let mut survivor = if holder == a.identity {
+        a.kill();
+        b
+    } else {
+        drop(b);
+        a.identity.clone_from(&holder);
+        a
+    };
+    wait_evicted(&client, ns, "second")
+        .await
+        .with_context(|| survivor.log_tail())?;
+    let h = wait_pool(&client, &pool, "two evictions recorded", |p| {
+        p.status.as_ref().is_some_and(|s| s.reclaim.reclaimed >= 2)
+    })
+    .await?
+    .status
+    .map(|s| s.reclaim.history)
+    .unwrap_or_default();
+    for name in ["first", "second"] {
+        let n = h
+            .iter()
+            .filter(|r| r.pod == format!("{ns}/{name}") && r.result == "Succeeded")
+            .count();
+        assert_eq!(n, 1, "{name} reclaimed {n} times: {h:?}");
+    }
+    delete_pool(&client, &pool)
+        .await
+        .with_context(|| survivor.log_tail())?;
+    survivor.kill();
+    Ok(())
+}
