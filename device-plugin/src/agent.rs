@@ -196,6 +196,9 @@ pub fn advertisement(
     }
 }
 
+/// (GPU, GPU instance, compute instance) → MIG UUID.
+type MigIds = BTreeMap<(u32, u32, u32), String>;
+
 /// What the health forwarder tells the loop.
 #[derive(Debug)]
 enum Notice {
@@ -433,7 +436,7 @@ struct LoopState {
     seen: Seen,
     topology: Arc<Topology>,
     /// (GPU, GI, CI) → MIG UUID, for attributing health events.
-    mig_ids: Arc<RwLock<BTreeMap<(u32, u32, u32), String>>>,
+    mig_ids: Arc<RwLock<MigIds>>,
     /// MIG UUID → parent GPU, for re-checks.
     mig_parents: Arc<RwLock<BTreeMap<String, u32>>>,
     status_writes: u64,
@@ -597,24 +600,22 @@ impl LoopState {
         }
 
         // CDI spec and advertised devices follow the hardware, except mid-reconfiguration.
-        if !self.mig.busy() {
-            if let Some(inv) = inv {
-                self.write_cdi(agent, gpunode, inv).await;
-                let adv = advertisement(
-                    inv,
-                    spec.mig.strategy,
-                    &spec.cdi.device_name_strategies,
-                    self.topology.clone(),
-                );
-                layout_tx.send_if_modified(|cur| {
-                    if *cur == adv {
-                        false
-                    } else {
-                        *cur = adv;
-                        true
-                    }
-                });
-            }
+        if let (false, Some(inv)) = (self.mig.busy(), inv) {
+            self.write_cdi(agent, gpunode, inv).await;
+            let adv = advertisement(
+                inv,
+                spec.mig.strategy,
+                &spec.cdi.device_name_strategies,
+                self.topology.clone(),
+            );
+            layout_tx.send_if_modified(|cur| {
+                if *cur == adv {
+                    false
+                } else {
+                    *cur = adv;
+                    true
+                }
+            });
         }
 
         let now = Instant::now();

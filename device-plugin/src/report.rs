@@ -63,11 +63,11 @@ pub fn gpu_statuses(
             {
                 (gpu_health, reason) = to_status(mig_health[0]);
             }
-            if let Err(e) = &g.health {
-                if e.contains("fallen off the bus") || e.contains("lost") {
-                    gpu_health = StatusHealth::Unhealthy;
-                    reason = Some(e.clone());
-                }
+            if let Err(e) = &g.health
+                && (e.contains("fallen off the bus") || e.contains("lost"))
+            {
+                gpu_health = StatusHealth::Unhealthy;
+                reason = Some(e.clone());
             }
             let mig_devices = g
                 .mig_devices
@@ -221,7 +221,7 @@ mod tests {
 
     #[test]
     fn conditions_keep_transition_time_until_status_changes() {
-        let t = |s| Timestamp::from_second(1_700_000_000 + s).unwrap();
+        let t = |s: i64| Timestamp::from_second(1_700_000_000 + s).unwrap();
         let mut c = Vec::new();
         set_condition(
             &mut c,

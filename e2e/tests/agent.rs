@@ -634,7 +634,8 @@ async fn agent_reports_failed_validation_with_message_and_event() -> Result<()> 
     let client = cluster.client().await?;
     let scope = TestScope::new(cluster, "agent-old-driver")?;
     let node = kwok_node(&client, 1).await?;
-    let fixture = "node: old-driver-e2e\ndriver: {version: \"535.104.05\", cuda: \"12.2\"}\ngpus:\n  - model: A100-SXM4-40GB\n    count: 2\n";
+    // GPU 1 reports an uncorrectable ECC error 15 s after the agent starts.
+    let fixture = "node: old-driver-e2e\ndriver: {version: \"535.104.05\", cuda: \"12.2\"}\ngpus:\n  - model: A100-SXM4-40GB\n    count: 2\nfaults:\n  - {at: 15, gpu: 1, fault: {double_bit_ecc: 1}}\n";
     let host = NodeHost::new(&scope, &node, fixture, 2)?;
     fs::write(
         host.driver_root.join("proc/driver/nvidia/version"),
@@ -703,6 +704,48 @@ async fn agent_reports_failed_validation_with_message_and_event() -> Result<()> 
     )
     .await?;
     wait_event(&client, &node, "ValidationPassed").await?;
+
+    // The ECC fault: the GPU turns unhealthy, the ECC check fails, each with an Event.
+    let gn = wait_status(
+        &client,
+        &node,
+        "GPU 1 unhealthy",
+        Duration::from_secs(40),
+        |s| {
+            s.gpus
+                .get(1)
+                .is_some_and(|g| g.health == gpupool_crds::node::Health::Unhealthy)
+                && s.checks.iter().any(|c| c.name == "ECCErrors" && !c.passed)
+        },
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let status = gn.status.unwrap_or_default();
+    ensure!(status.healthy_gpus == 1, "{}", status.healthy_gpus);
+    ensure!(status.validated.as_deref() == Some("False"));
+    let unhealthy = wait_event(&client, &node, "DeviceUnhealthy").await?;
+    ensure!(unhealthy.message.unwrap_or_default().contains("GPU 1"));
+    poll(
+        "a ValidationFailed Event naming ECCErrors",
+        Duration::from_secs(30),
+        Duration::from_millis(250),
+        || {
+            let client = &client;
+            let node = &node;
+            async move {
+                let events = events_for(client, node, "ValidationFailed").await?;
+                Ok(events
+                    .iter()
+                    .any(|e| {
+                        e.message
+                            .as_deref()
+                            .is_some_and(|m| m.contains("ECCErrors"))
+                    })
+                    .then_some(()))
+            }
+        },
+    )
+    .await?;
     agent.terminate().await
 }
 
