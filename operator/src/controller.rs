@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::{StreamExt, future};
+use futures::{StreamExt, TryStreamExt, future, stream};
 use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
 use gpupool_crds::policy::{OnFailure, ReclaimMode};
 use gpupool_crds::{GpuNode, GpuPool, GpuPoolStatus};
@@ -32,6 +32,8 @@ use crate::{drain, reclaim_run};
 /// Field manager for every write.
 pub const FIELD_MANAGER: &str = "gpupool-operator";
 const CONTROLLER: &str = "gpupool";
+/// Writes of one reconcile in flight at once.
+const WRITE_CONCURRENCY: usize = 16;
 
 /// Operator settings the reconciler needs.
 #[derive(Clone, Debug)]
@@ -293,9 +295,12 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     let gn_api: Api<GpuNode> = Api::all(ctx.client.clone());
     let pool_ref = pool.object_ref(&());
 
-    // GpuNodes: ensure one per member, delete those of nodes that left.
+    // GpuNodes: ensure one per member, delete those of nodes that left. Writes go out a few
+    // at a time: at a thousand nodes, one by one is what makes a first reconcile slow.
     let mut members = Vec::new();
     let member_names: BTreeSet<String> = membership.members.iter().map(|n| n.name_any()).collect();
+    let mut to_apply = Vec::new();
+    let mut joined = Vec::new();
     for node in &membership.members {
         let node_name = node.name_any();
         let (desired, problem) = pool::desired_gpunode(pool, &node_name, node.labels());
@@ -307,29 +312,10 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
             }
             Some(gn) if pool::gpunode_up_to_date(gn, &desired) => {}
             _ => {
-                gn_api
-                    .patch(
-                        &node_name,
-                        &PatchParams::apply(FIELD_MANAGER).force(),
-                        &Patch::Apply(&desired),
-                    )
-                    .await
-                    .map_err(Error::kube(format!("applying GpuNode {node_name}")))?;
-                ctx.metrics.write("GpuNode", "apply");
                 if existing.is_none() {
-                    info!(node = %node_name, "node joined the pool");
-                    ctx.event(
-                        &pool_ref,
-                        Event {
-                            type_: EventType::Normal,
-                            reason: "NodeJoined".into(),
-                            note: Some(format!("node {node_name} joined the pool")),
-                            action: "Reconcile".into(),
-                            secondary: None,
-                        },
-                    )
-                    .await;
+                    joined.push(node_name.clone());
                 }
+                to_apply.push(desired);
             }
         }
         members.push(Member {
@@ -340,25 +326,67 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
             layout_problem: problem,
         });
     }
-    for (gn_name, gn) in &gpunodes {
-        if owned_by(gn, pool) && !member_names.contains(gn_name) {
-            delete_gpunode(&gn_api, gn_name, ctx).await?;
-            info!(node = %gn_name, "node left the pool");
-            ctx.event(
-                &pool_ref,
-                Event {
-                    type_: EventType::Normal,
-                    reason: "NodeLeft".into(),
-                    note: Some(format!("node {gn_name} left the pool")),
-                    action: "Reconcile".into(),
-                    secondary: None,
-                },
-            )
-            .await;
+    stream::iter(to_apply)
+        .map(|desired| {
+            let gn_api = gn_api.clone();
+            async move {
+                let node_name = desired.name_any();
+                gn_api
+                    .patch(
+                        &node_name,
+                        &PatchParams::apply(FIELD_MANAGER).force(),
+                        &Patch::Apply(&desired),
+                    )
+                    .await
+                    .map_err(Error::kube(format!("applying GpuNode {node_name}")))?;
+                ctx.metrics.write("GpuNode", "apply");
+                Ok::<_, Error>(())
+            }
+        })
+        .buffer_unordered(WRITE_CONCURRENCY)
+        .try_collect::<Vec<()>>()
+        .await?;
+    let left: Vec<String> = gpunodes
+        .iter()
+        .filter(|(n, gn)| owned_by(gn, pool) && !member_names.contains(*n))
+        .map(|(n, _)| n.clone())
+        .collect();
+    stream::iter(left.clone())
+        .map(|n| {
+            let gn_api = gn_api.clone();
+            async move { delete_gpunode(&gn_api, &n, ctx).await }
+        })
+        .buffer_unordered(WRITE_CONCURRENCY)
+        .try_collect::<Vec<()>>()
+        .await?;
+    for (reason, verb, nodes) in [
+        ("NodeJoined", "joined", &joined),
+        ("NodeLeft", "left", &left),
+    ] {
+        if nodes.is_empty() {
+            continue;
         }
+        info!(nodes = nodes.len(), "nodes {verb} the pool");
+        // One Event per change, not per node: a thousand nodes joining is one story.
+        ctx.event(
+            &pool_ref,
+            Event {
+                type_: EventType::Normal,
+                reason: reason.into(),
+                note: Some(format!(
+                    "{} node(s) {verb} the pool: {}",
+                    nodes.len(),
+                    pool::names(nodes.iter().map(String::as_str))
+                )),
+                action: "Reconcile".into(),
+                secondary: None,
+            },
+        )
+        .await;
     }
 
     // Node labels and taints.
+    let mut node_writes = Vec::new();
     for node in nodes.iter() {
         let node_name = node.name_any();
         let is_member = member_names.contains(&node_name);
@@ -374,8 +402,15 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
                 .and_then(|s| s.validated.as_deref())
                 == Some("False");
         // Only the operator sets this taint, so a node that leaves the pool loses it.
-        sync_node(node, is_member.then_some(name.as_str()), want_taint, ctx).await?;
+        node_writes.push((node.clone(), is_member.then(|| name.clone()), want_taint));
     }
+    stream::iter(node_writes)
+        .map(|(node, pool_name, taint)| async move {
+            sync_node(&node, pool_name.as_deref(), taint, ctx).await
+        })
+        .buffer_unordered(WRITE_CONCURRENCY)
+        .try_collect::<Vec<()>>()
+        .await?;
 
     // MIG drains and idle reclamation.
     let member_gns: Vec<&GpuNode> = members.iter().filter_map(|m| m.gpunode).collect();

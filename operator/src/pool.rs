@@ -535,7 +535,7 @@ fn condition(
 }
 
 /// `a, b, c and 4 more`.
-fn names<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
+pub fn names<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
     let all: BTreeSet<&str> = items.into_iter().collect();
     let mut shown: Vec<&str> = all.iter().copied().take(MAX_NAMES_IN_MESSAGE).collect();
     let rest = all.len().saturating_sub(shown.len());
