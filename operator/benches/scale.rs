@@ -1,0 +1,277 @@
+//! Scale benchmark: N kwok GPU nodes × 8 GPUs, one pool selecting all of them, a fleet
+//! simulator writing GpuNode statuses, and the operator binary measured from outside.
+//!
+//! ```text
+//! e2e/cluster up                                       # a control plane with kwok
+//! kubectl apply --server-side -f crds/
+//! KUBECONFIG=target/e2e/kubeconfig SCALE_NODES=1000 cargo bench -p gpupool-operator --bench scale
+//! ```
+//!
+//! Prints: time from the pool's apply to Ready, and from the last node's report to Ready; API
+//! writes per node (the operator's own `gpupool_api_writes_total`); the operator's peak RSS
+//! (VmHWM); writes per minute in steady state. Without KUBECONFIG it says so and exits.
+//! Environment: `SCALE_NODES` (default 1000), `SCALE_STEADY_SECS` (default 60),
+//! `GPUPOOL_OPERATOR_BIN` (default `$CARGO_TARGET_DIR/debug/gpupool-operator`).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures::{StreamExt, TryStreamExt, stream};
+use gpupool_crds::node::{CdiStatus, GpuNodeStatus, MigState, NodeMigStatus};
+use gpupool_crds::{GpuNode, GpuPool};
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+const LABEL: &str = "bench.gpupool.io/scale";
+const POOL: &str = "scale-bench";
+const PORT: u16 = 19480;
+
+type BoxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+fn env_num(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn node(i: u64) -> BoxResult<Node> {
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": format!("scale-{i:05}"),
+            "annotations": { "kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0" },
+            "labels": {
+                LABEL: "true",
+                "type": "kwok",
+                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                "nvidia.com/gpu.count": "8",
+            },
+        },
+        "status": {
+            "capacity": { "cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8" },
+            "allocatable": { "cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8" },
+        },
+    }))?)
+}
+
+async fn metric_sum(name: &str) -> BoxResult<f64> {
+    let out = Command::new("curl")
+        .args(["-s", &format!("http://127.0.0.1:{PORT}/metrics")])
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
+}
+
+fn vm_hwm_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn ready(pool: &GpuPool) -> bool {
+    pool.status.as_ref().is_some_and(|s| {
+        s.conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True")
+    })
+}
+
+fn status_for(gn: &GpuNode) -> serde_json::Value {
+    let generation = gn.metadata.generation;
+    let status = GpuNodeStatus {
+        observed_generation: generation,
+        driver_version: Some("550.54.15".into()),
+        cuda_version: Some("12.4".into()),
+        gpu_count: 8,
+        healthy_gpus: 8,
+        validated: Some("True".into()),
+        cdi: Some(CdiStatus {
+            path: "/var/run/cdi/gpupool-nvidia.yaml".into(),
+            digest: "sha256:bench".into(),
+            devices: 8,
+        }),
+        mig: NodeMigStatus {
+            state: MigState::Applied,
+            observed_generation: generation,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    json!({ "apiVersion": "gpupool.io/v1alpha1", "kind": "GpuNode", "status": status })
+}
+
+#[tokio::main]
+async fn main() -> BoxResult<()> {
+    if std::env::var_os("KUBECONFIG").is_none() {
+        println!("scale bench: set KUBECONFIG to an e2e cluster (e2e/cluster up) to run it");
+        return Ok(());
+    }
+    let n = env_num("SCALE_NODES", 1000);
+    let steady = env_num("SCALE_STEADY_SECS", 60);
+    let client = Client::try_default().await?;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let pools: Api<GpuPool> = Api::all(client.clone());
+    let gpunodes: Api<GpuNode> = Api::all(client.clone());
+
+    println!("creating {n} kwok nodes × 8 GPUs");
+    stream::iter(0..n)
+        .map(|i| {
+            let nodes = nodes.clone();
+            async move {
+                match nodes.create(&PostParams::default(), &node(i)?).await {
+                    Ok(_) => Ok(()),
+                    Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+                    Err(e) => Err(Box::new(e) as Box<dyn std::error::Error + Send + Sync>),
+                }
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<()>>()
+        .await?;
+
+    let bin = std::env::var_os("GPUPOOL_OPERATOR_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
+                .join("debug/gpupool-operator")
+        });
+    let mut op = Command::new(&bin)
+        .args([
+            "--leader-elect",
+            "false",
+            "--http-addr",
+            &format!("127.0.0.1:{PORT}"),
+            "--pool-selector",
+            &format!("{LABEL}=true"),
+            "--log",
+            "warn",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("starting {}: {e}", bin.display()))?;
+    let pid = op.id();
+
+    let applied = Instant::now();
+    let pool = json!({
+        "apiVersion": "gpupool.io/v1alpha1",
+        "kind": "GpuPool",
+        "metadata": { "name": POOL, "labels": { LABEL: "true" } },
+        "spec": {
+            "nodeSelector": { "matchLabels": { LABEL: "true" } },
+            "mig": { "strategy": "mixed", "layout": { "preset": "all-1g.10gb" } },
+        },
+    });
+    pools
+        .patch(
+            POOL,
+            &PatchParams::apply("scale-bench").force(),
+            &Patch::Apply(&pool),
+        )
+        .await?;
+
+    // Fleet simulator: report every GpuNode once it exists.
+    let lp = ListParams::default().labels(&format!("gpupool.io/pool={POOL}"));
+    let mut reported: BTreeMap<String, ()> = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while (reported.len() as u64) < n && Instant::now() < deadline {
+        let list = gpunodes.list(&lp).await?;
+        let todo: Vec<GpuNode> = list
+            .items
+            .into_iter()
+            .filter(|g| !reported.contains_key(&g.name_any()))
+            .collect();
+        if todo.is_empty() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
+        let names: Vec<String> = todo.iter().map(|g| g.name_any()).collect();
+        stream::iter(todo)
+            .map(|g| {
+                let api = gpunodes.clone();
+                async move {
+                    api.patch_status(
+                        &g.name_any(),
+                        &PatchParams::apply("scale-fleet").force(),
+                        &Patch::Apply(&status_for(&g)),
+                    )
+                    .await
+                }
+            })
+            .buffer_unordered(32)
+            .try_collect::<Vec<_>>()
+            .await?;
+        for name in names {
+            reported.insert(name, ());
+        }
+    }
+    let last_report = Instant::now();
+    let mut became_ready = None;
+    while Instant::now() < deadline {
+        if ready(&pools.get(POOL).await?) {
+            became_ready = Some(Instant::now());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let writes_at_ready = metric_sum("gpupool_api_writes_total").await?;
+    tokio::time::sleep(Duration::from_secs(steady)).await;
+    let writes_after = metric_sum("gpupool_api_writes_total").await?;
+    let reconciles = metric_sum("gpupool_reconciles_total").await?;
+    let rss_mib = vm_hwm_kib(pid) as f64 / 1024.0;
+
+    println!(
+        "nodes: {n} (8 GPUs each), GpuNodes reported: {}",
+        reported.len()
+    );
+    match became_ready {
+        Some(t) => {
+            println!("apply → Ready: {:.1} s", (t - applied).as_secs_f64());
+            println!(
+                "last node report → Ready: {:.1} s",
+                t.saturating_duration_since(last_report).as_secs_f64()
+            );
+        }
+        None => println!("the pool did not become Ready within 600 s"),
+    }
+    println!(
+        "operator API writes: {writes_at_ready} ({:.2} per node), reconciles: {reconciles}",
+        writes_at_ready / n as f64
+    );
+    println!(
+        "steady-state writes: {} in {steady} s ({:.1}/min)",
+        writes_after - writes_at_ready,
+        (writes_after - writes_at_ready) * 60.0 / steady as f64
+    );
+    println!("operator peak RSS (VmHWM): {rss_mib:.1} MiB");
+
+    // Clean up: the pool (the operator finalizes it), then the nodes.
+    pools.delete(POOL, &DeleteParams::default()).await?;
+    while pools.get_opt(POOL).await?.is_some() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = op.kill();
+    let _ = op.wait();
+    nodes
+        .delete_collection(
+            &DeleteParams::default(),
+            &ListParams::default().labels(&format!("{LABEL}=true")),
+        )
+        .await?;
+    Ok(())
+}
