@@ -40,6 +40,10 @@ type recordingRuntime struct {
 
 	mu     sync.Mutex
 	record *os.File
+	// Container ID -> absolute log path. The stock fake reports an empty log
+	// path, and the kubelet deletes "<log path>*" when it removes a container:
+	// with "" that is every file in the kubelet's working directory.
+	logPaths map[string]string
 }
 
 // createRecord is one line of the record file.
@@ -82,6 +86,13 @@ func (r *recordingRuntime) CreateContainer(ctx context.Context, req *kubeapi.Cre
 		rec.Error = err.Error()
 	} else {
 		rec.ContainerID = resp.GetContainerId()
+		logPath := filepath.Join(req.GetSandboxConfig().GetLogDirectory(), req.GetConfig().GetLogPath())
+		if !filepath.IsAbs(logPath) {
+			logPath = filepath.Join(os.TempDir(), "fakecri-no-log-dir", rec.ContainerID, "log")
+		}
+		r.mu.Lock()
+		r.logPaths[rec.ContainerID] = logPath
+		r.mu.Unlock()
 	}
 	config, merr := protojson.MarshalOptions{UseProtoNames: false}.Marshal(req.GetConfig())
 	if merr != nil {
@@ -96,6 +107,24 @@ func (r *recordingRuntime) CreateContainer(ctx context.Context, req *kubeapi.Cre
 		log.Printf("fakecri: recording CreateContainer: %v", werr)
 	}
 	return resp, err
+}
+
+// ContainerStatus is the stock fake's, with the container's absolute log path,
+// as a real runtime reports it.
+func (r *recordingRuntime) ContainerStatus(ctx context.Context, req *kubeapi.ContainerStatusRequest) (*kubeapi.ContainerStatusResponse, error) {
+	resp, err := r.RemoteRuntime.ContainerStatus(ctx, req)
+	if err != nil || resp.GetStatus() == nil {
+		return resp, err
+	}
+	r.mu.Lock()
+	logPath, ok := r.logPaths[req.GetContainerId()]
+	r.mu.Unlock()
+	if !ok {
+		// Never an empty path (see logPaths).
+		logPath = filepath.Join(os.TempDir(), "fakecri-no-log-dir", req.GetContainerId(), "log")
+	}
+	resp.Status.LogPath = logPath
+	return resp, nil
 }
 
 func main() {
@@ -129,7 +158,11 @@ func run(socket, record string) error {
 		return fmt.Errorf("listening on %s: %w", socket, err)
 	}
 
-	runtime := &recordingRuntime{RemoteRuntime: fake.NewFakeRemoteRuntime(), record: out}
+	runtime := &recordingRuntime{
+		RemoteRuntime: fake.NewFakeRemoteRuntime(),
+		record:        out,
+		logPaths:      map[string]string{},
+	}
 	// What fake.RemoteRuntime.Start sets, plus what a kubelet asks a real
 	// runtime for: the cgroup driver, and an image filesystem to account.
 	runtime.RuntimeService.FakeStatus = &kubeapi.RuntimeStatus{
