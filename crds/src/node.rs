@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
     kind = "GpuNode",
     plural = "gpunodes",
     shortname = "gn",
-    category = "gpupool",
+    category = "gpupool-all",
     status = "GpuNodeStatus",
     printcolumn = r#"{"name":"Pool","type":"string","jsonPath":".spec.pool"}"#,
     printcolumn = r#"{"name":"GPUs","type":"integer","jsonPath":".status.gpuCount"}"#,

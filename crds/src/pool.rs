@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
     kind = "GpuPool",
     plural = "gpupools",
     shortname = "gp",
-    category = "gpupool",
+    category = "gpupool-all",
     status = "GpuPoolStatus",
     printcolumn = r#"{"name":"Nodes","type":"string","description":"Ready nodes / selected nodes","jsonPath":".status.nodes"}"#,
     printcolumn = r#"{"name":"GPUs","type":"integer","description":"GPUs on the pool's nodes","jsonPath":".status.gpus.total"}"#,

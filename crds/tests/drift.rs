@@ -46,7 +46,7 @@ fn generated_crds_carry_printer_columns_short_names_and_cel() {
     }
     assert!(
         pools.contains("- gp\n")
-            && pools.contains("- gpupool\n")
+            && pools.contains("- gpupool-all\n")
             && pools.contains("scope: Cluster")
     );
     assert!(pools.contains("x-kubernetes-validations"));
