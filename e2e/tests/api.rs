@@ -477,6 +477,22 @@ async fn kubectl_prints_the_printer_columns() -> Result<()> {
         .run(["get", "gp", &pool_name, "-o", "name"])?;
     assert_eq!(short.trim(), format!("gpupool.gpupool.io/{pool_name}"));
 
+    // The singular kind name resolves to one resource (the category must not shadow it),
+    // so the documented `kubectl describe gpupool <name>` works; the category lists both kinds.
+    let described = cluster.kubectl().run(["describe", "gpupool", &pool_name])?;
+    assert!(
+        described.contains(&format!("Name:         {pool_name}")),
+        "describe output: {described}"
+    );
+    let category = cluster
+        .kubectl()
+        .run(["get", "gpupool-all", "-o", "name"])?;
+    assert!(
+        category.contains(&format!("gpupool.gpupool.io/{pool_name}"))
+            && category.contains(&format!("gpunode.gpupool.io/{node_name}")),
+        "category output: {category}"
+    );
+
     gpunodes
         .delete(&node_name, &DeleteParams::default())
         .await
