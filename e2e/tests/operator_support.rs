@@ -26,11 +26,14 @@ pub const POLL: Duration = Duration::from_millis(250);
 /// Deadline for the operator to react to a change.
 pub const REACT: Duration = Duration::from_secs(60);
 
-/// The operator binary, built once per test process.
+/// The operator binary: `GPUPOOL_OPERATOR_BIN`, else built once per test process.
 pub fn operator_binary() -> Result<PathBuf> {
     static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     BUILT
         .get_or_init(|| {
+            if let Some(bin) = std::env::var_os("GPUPOOL_OPERATOR_BIN") {
+                return Ok(PathBuf::from(bin));
+            }
             let target = std::env::var_os("CARGO_TARGET_DIR")
                 .map(PathBuf::from)
                 .unwrap_or_else(|| repo_root().join("target"));
