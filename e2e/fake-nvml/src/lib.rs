@@ -293,6 +293,36 @@ fn mig_device(c: &Ctx, gpu: u32, gi: u32, ci: u32) -> R<model::SimMigDevice> {
         .ok_or(INVALID_ARGUMENT)
 }
 
+/// A MIG device's attributes from its GPU-instance profile and compute-instance size. Whole
+/// GPUs answer NOT_SUPPORTED (the fake has no per-GPU engine counts).
+fn device_attributes(
+    c: &Ctx,
+    device: nvmlDevice_t,
+    attributes: *mut sys::nvmlDeviceAttributes_t,
+) -> R {
+    match dev(c, device)? {
+        Dev::Mig { gpu, gi, ci } => {
+            let d = mig_device(c, gpu, gi, ci)?;
+            let p = d.profile;
+            out(
+                attributes,
+                sys::nvmlDeviceAttributes_t {
+                    multiprocessorCount: p.multiprocessors * d.ci_slices / p.compute_slices.max(1),
+                    sharedCopyEngineCount: 0,
+                    sharedDecoderCount: 0,
+                    sharedEncoderCount: 0,
+                    sharedJpegCount: 0,
+                    sharedOfaCount: 0,
+                    gpuInstanceSliceCount: p.compute_slices,
+                    computeInstanceSliceCount: d.ci_slices,
+                    memorySizeMB: p.memory_mib,
+                },
+            )
+        }
+        Dev::Gpu(_) => Err(NOT_SUPPORTED),
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Exports
 // ---------------------------------------------------------------------------------------------
@@ -786,7 +816,18 @@ export! {
             return Err(INVALID_ARGUMENT);
         }
         let (state, now) = c.read()?;
-        let devices = sim(state.mig_devices(&c.node, g, now))?;
+        let devices = match state.mig_devices(&c.node, g, now) {
+            Ok(devices) => devices,
+            // A MIG-capable GPU with MIG mode off has no MIG device at any index: NVML answers
+            // NOT_FOUND, which go-nvlib (nvidia-ctk, NVIDIA's device plugin) relies on when it
+            // walks every MIG-capable GPU.
+            Err(SimError::NotSupported(_))
+                if state.mig_mode(&c.node, g, now).is_ok_and(|(current, _)| !current) =>
+            {
+                return Err(NOT_FOUND);
+            }
+            Err(e) => return Err(code(&e)),
+        };
         let d = devices.get(index as usize).ok_or(NOT_FOUND)?;
         out(mig, mig_handle(d.gpu, d.gi, d.ci))
     }
@@ -802,6 +843,18 @@ export! {
             Dev::Mig { gpu, .. } => out(device, gpu_handle(gpu)),
             Dev::Gpu(_) => Err(INVALID_ARGUMENT),
         }
+    }
+
+    // go-nvml resolves GetAttributes to `_v2` when the library has it, else to the unversioned
+    // name; go-nvlib reads a MIG device's profile from it (nvidia-ctk, NVIDIA's plugin).
+    fn nvmlDeviceGetAttributes_v2(device: nvmlDevice_t, attributes: *mut sys::nvmlDeviceAttributes_t) {
+        let c = ctx()?;
+        device_attributes(&c, device, attributes)
+    }
+
+    fn nvmlDeviceGetAttributes(device: nvmlDevice_t, attributes: *mut sys::nvmlDeviceAttributes_t) {
+        let c = ctx()?;
+        device_attributes(&c, device, attributes)
     }
 
     fn nvmlDeviceGetGpuInstanceId(device: nvmlDevice_t, id: *mut c_uint) {

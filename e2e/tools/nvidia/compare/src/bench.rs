@@ -145,8 +145,7 @@ pub async fn run(tools: &Tools, work: &Path) -> Result<()> {
             let seen = running
                 .kubelet
                 .wait_devices(RESOURCE, HEALTH_TIMEOUT, |list| {
-                    list.iter()
-                        .any(|d| d.id == id && d.health == "Unhealthy")
+                    list.iter().any(|d| d.id == id && d.health == "Unhealthy")
                 })
                 .await;
             match seen {
@@ -181,7 +180,9 @@ fn print_table(figures: &BTreeMap<Side, Figures>) {
     println!(
         "\n8 × H100 80GB, GPUs 4-7 in MIG (13 MIG devices), strategy mixed; ratio = NVIDIA / gpupool (> 1: gpupool faster or smaller)\n"
     );
-    println!("| figure | NVIDIA (nvidia-ctk v1.20.2, k8s-device-plugin v0.19.3) | gpupool | ratio |");
+    println!(
+        "| figure | NVIDIA (nvidia-ctk v1.20.2, k8s-device-plugin v0.19.3) | gpupool | ratio |"
+    );
     println!("|---|---|---|---|");
     row(
         &format!("CDI generation, p50 of {CDI_RUNS} (process wall time)"),

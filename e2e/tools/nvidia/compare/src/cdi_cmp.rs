@@ -114,7 +114,8 @@ pub fn run_nvidia_ctk(ctk: &Path, node: &FakeNode, out: &Path) -> Result<(String
     let file = out.join("nvidia-ctk.yaml");
     let started = Instant::now();
     let output = node
-        .apply_env(&mut Command::new(ctk))
+        .apply_env(&mut Command::new("unshare"))
+        .args(crate::node::host_namespace_args(node, &[], ctk))
         .args(["--quiet", "cdi", "generate", "--format", "yaml"])
         .arg("--driver-root")
         .arg(node.root())
@@ -161,7 +162,9 @@ pub fn ours_cdi(node_dir: &Path, spec_dir: &Path) -> Result<PathBuf> {
     let backend = backend(&node)?;
     let inventory = Inventory::read(&backend).map_err(|e| anyhow::anyhow!("inventory: {e}"))?;
     let options = CdiOptions {
-        kind: "gpupool.io/gpu".parse().map_err(|e| anyhow::anyhow!("{e}"))?,
+        kind: "gpupool.io/gpu"
+            .parse()
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
         naming: CdiDeviceNameStrategy::all(),
     };
     let outcome = generate_and_write(&inventory, &node.root(), spec_dir, &options)?;
@@ -194,13 +197,40 @@ pub fn compare(report: &mut Report, scenario: &str, nvidia: &Normalized, ours: &
             })
         },
     );
+    // Parent device nodes of MIG-enabled GPUs (those with `<gpu>:<mig>` names).
+    let mig_parents: BTreeSet<String> = ours
+        .devices
+        .keys()
+        .filter_map(|n| {
+            n.split_once(':')
+                .map(|(gpu, _)| format!("/dev/nvidia{gpu}"))
+        })
+        .collect();
+    let whole_mig_gpu = |name: &str| {
+        !name.contains(':')
+            && !name.starts_with("MIG-")
+            && name != "all"
+            && ours
+                .devices
+                .get(name)
+                .is_some_and(|nodes| nodes.iter().all(|(p, _)| mig_parents.contains(p)))
+    };
+    let whole_mig_reason = "we also name MIG-enabled GPUs as whole devices (`<index>`, \
+         `GPU-<uuid>`: the parent /dev/nvidiaN only); nvidia-ctk leaves them out. MIG strategy \
+         `none` advertises those GPUs as nvidia.com/gpu (NVIDIA's plugin does too, see the \
+         strategy=none rows), so our Allocate answer must resolve in our spec; NVIDIA's plugin's \
+         own spec also lacks them, so its strategy-none answer for such a GPU names a device \
+         that is in no spec";
     let names = |n: &Normalized| n.devices.keys().cloned().collect::<BTreeSet<_>>();
     report.compare_sets(
         s,
         "CDI device names",
         &names(nvidia),
         &names(ours),
-        |_, _| None,
+        |n, o| {
+            (n.is_empty() && o.iter().all(|x| whole_mig_gpu(x)))
+                .then(|| whole_mig_reason.to_owned())
+        },
     );
     let per_device = |n: &Normalized| {
         n.devices
@@ -217,7 +247,10 @@ pub fn compare(report: &mut Report, scenario: &str, nvidia: &Normalized, ours: &
         "device nodes of each device (name, path, hostPath)",
         &per_device(nvidia),
         &per_device(ours),
-        |_, _| None,
+        |n, o| {
+            (n.is_empty() && o.iter().all(|(x, _, _)| whole_mig_gpu(x)))
+                .then(|| whole_mig_reason.to_owned())
+        },
     );
     report.compare_sets(
         s,

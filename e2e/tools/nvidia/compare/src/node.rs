@@ -25,7 +25,8 @@ pub const LIB_DIR: &str = "usr/lib/x86_64-linux-gnu";
 pub enum Layout {
     /// No instances (whole GPUs, or MIG off).
     Whole,
-    /// GPUs 4..7: 7 × 1g.10gb | 3g.40gb + 2g.20gb + 2 × 1g.10gb | 4g.40gb + 3g.40gb | 7g.80gb.
+    /// GPUs 4..7: 7 × 1g.10gb | 3g.40gb + 2g.20gb + 1g.10gb | 4g.40gb + 3g.40gb | 7g.80gb
+    /// (13 MIG devices); GPUs 0..3 whole.
     Mixed,
     /// Every GPU: 7 × 1g.10gb.
     AllOneG,
@@ -57,7 +58,7 @@ impl Layout {
             (Layout::Whole, _) => vec![],
             (Layout::AllOneG, _) => vec!["1g.10gb"; 7],
             (Layout::Mixed, 4) => vec!["1g.10gb"; 7],
-            (Layout::Mixed, 5) => vec!["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"],
+            (Layout::Mixed, 5) => vec!["3g.40gb", "2g.20gb", "1g.10gb"],
             (Layout::Mixed, 6) => vec!["4g.40gb", "3g.40gb"],
             (Layout::Mixed, 7) => vec!["7g.80gb"],
             (Layout::Mixed, _) => vec![],
@@ -258,6 +259,7 @@ pub fn prepare(
         .status()
         .context("running the layout step")?;
     ensure!(status.success(), "creating the MIG layout failed");
+    make_proc_farm(&node)?;
     Ok(node)
 }
 
@@ -359,4 +361,59 @@ pub fn reset_all(node: &FakeNode) -> Result<()> {
             Ok(())
         })
         .map_err(|e| anyhow::anyhow!("resetting GPUs: {e}"))
+}
+
+/// The host files NVIDIA's tools read outside the driver root: `/proc/driver/nvidia-caps/
+/// mig-minors` (nvidia-ctk's and the plugin's MIG capability minors) and
+/// `/proc/driver/nvidia/…`. A GPU-less host has no `/proc/driver`, and procfs takes no new
+/// directories, so NVIDIA's binaries run in a private mount namespace whose `/proc` is a
+/// directory of symlinks into the real procfs (mounted at `realproc`) plus `driver` →
+/// the driver root's `proc/driver`. Made once per node.
+fn make_proc_farm(node: &FakeNode) -> Result<()> {
+    let farm = node.dir.join("proc");
+    let real = node.dir.join("realproc");
+    fs::create_dir_all(&farm)?;
+    fs::create_dir_all(&real)?;
+    for entry in fs::read_dir("/proc")?.flatten() {
+        let name = entry.file_name();
+        if name == "driver" {
+            continue;
+        }
+        std::os::unix::fs::symlink(real.join(&name), farm.join(&name))?;
+    }
+    std::os::unix::fs::symlink(node.root().join("proc/driver"), farm.join("driver"))?;
+    Ok(())
+}
+
+/// `unshare` arguments that run `program` with the node's `/proc/driver` (see
+/// [`make_proc_farm`]) and the extra bind mounts `(source, target)`.
+pub fn host_namespace_args(
+    node: &FakeNode,
+    binds: &[(PathBuf, &str)],
+    program: &Path,
+) -> Vec<std::ffi::OsString> {
+    let script = r#"set -e
+d=$1; shift
+mount --bind /proc "$d/realproc"
+mount --bind "$d/proc" /proc
+while [ "$1" != -- ]; do mount --bind "$1" "$2"; shift 2; done
+shift
+exec "$@""#;
+    let mut args: Vec<std::ffi::OsString> = vec![
+        "-m".into(),
+        "--propagation".into(),
+        "private".into(),
+        "sh".into(),
+        "-c".into(),
+        script.into(),
+        "sh".into(),
+        node.dir.clone().into(),
+    ];
+    for (source, target) in binds {
+        args.push(source.clone().into());
+        args.push((*target).into());
+    }
+    args.push("--".into());
+    args.push(program.into());
+    args
 }

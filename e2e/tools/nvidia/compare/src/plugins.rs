@@ -97,12 +97,11 @@ pub async fn start(
             let kubelet = KubeletStandin::start(&plugin_dir).await?;
             let mut command = Command::new("unshare");
             command
-                .args(["-m", "--propagation", "private", "sh", "-c"])
-                .arg(r#"mount --bind "$1" /var/lib && mount --bind "$2" /run && shift 2 && exec "$@""#)
-                .arg("sh")
-                .arg(&var_lib)
-                .arg(&run)
-                .arg(nvidia_plugin)
+                .args(crate::node::host_namespace_args(
+                    node,
+                    &[(var_lib.clone(), "/var/lib"), (run.clone(), "/run")],
+                    nvidia_plugin,
+                ))
                 .arg(format!("--mig-strategy={strategy}"))
                 .arg("--device-list-strategy=cdi-cri")
                 .arg("--device-id-strategy=uuid")
@@ -111,7 +110,12 @@ pub async fn start(
                 .arg(format!("--dev-root={}", node.root().display()))
                 .arg(format!("--container-driver-root={}", node.root().display()))
                 .arg(format!("--nvidia-cdi-hook-path={HOOK_PATH}"))
-                .arg("--kubelet-socket=/var/lib/kubelet/device-plugins/kubelet.sock");
+                // A relative socket path, run from the socket directory: grpc-go uses the dial
+                // target as the HTTP/2 :authority, and the stand-in's HTTP/2 server (h2, under
+                // tonic) resets a stream whose authority is a path (PROTOCOL_ERROR). The real
+                // kubelet is a Go server and accepts it; NVIDIA's plugin sets no authority.
+                .arg("--kubelet-socket=kubelet.sock")
+                .current_dir(&plugin_dir);
             for (k, v) in node.env() {
                 command.env(k, v);
             }
@@ -295,12 +299,14 @@ pub async fn serve_ours(node_dir: &Path, plugin_dir: &Path, strategy: &str) -> R
     let (_layout_tx, layout_rx) = watch::channel(advertisement.clone());
     let (events_tx, events_rx) = mpsc::channel(256);
     let (health_tx, health_rx) = watch::channel(advertisement);
-    let monitor = tokio::spawn(HealthMonitor::new(HealthPolicy::default(), metrics.clone()).run(
-        layout_rx,
-        events_rx,
-        health_tx,
-        cancel.clone(),
-    ));
+    let monitor = tokio::spawn(
+        HealthMonitor::new(HealthPolicy::default(), metrics.clone()).run(
+            layout_rx,
+            events_rx,
+            health_tx,
+            cancel.clone(),
+        ),
+    );
     let stop = Arc::new(AtomicBool::new(false));
     let (mut raw, _thread) =
         backend::spawn_health_stream(backend.clone(), Duration::from_millis(500), stop.clone());

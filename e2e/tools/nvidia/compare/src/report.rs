@@ -58,6 +58,20 @@ impl Report {
         ours: &BTreeSet<T>,
         documented: impl Fn(&BTreeSet<T>, &BTreeSet<T>) -> Option<String>,
     ) {
+        self.compare_sets_with(scenario, item, nvidia, ours, |n, o| {
+            documented(n, o).map(Outcome::Documented)
+        });
+    }
+
+    /// Like [`Report::compare_sets`], with a classifier that may also name a finding.
+    pub fn compare_sets_with<T: Ord + Debug + Clone>(
+        &mut self,
+        scenario: &str,
+        item: &str,
+        nvidia: &BTreeSet<T>,
+        ours: &BTreeSet<T>,
+        classify: impl Fn(&BTreeSet<T>, &BTreeSet<T>) -> Option<Outcome>,
+    ) {
         let only_nvidia: BTreeSet<T> = nvidia.difference(ours).cloned().collect();
         let only_ours: BTreeSet<T> = ours.difference(nvidia).cloned().collect();
         if only_nvidia.is_empty() && only_ours.is_empty() {
@@ -74,10 +88,7 @@ impl Report {
             .map(|x| format!("- nvidia only: {x:?}"))
             .collect();
         detail.extend(only_ours.iter().map(|x| format!("+ gpupool only: {x:?}")));
-        let outcome = match documented(&only_nvidia, &only_ours) {
-            Some(reason) => Outcome::Documented(reason),
-            None => Outcome::Unexpected,
-        };
+        let outcome = classify(&only_nvidia, &only_ours).unwrap_or(Outcome::Unexpected);
         self.push(scenario, item, outcome, detail);
     }
 
