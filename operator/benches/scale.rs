@@ -117,6 +117,12 @@ fn status_for(gn: &GpuNode) -> serde_json::Value {
 
 #[tokio::main]
 async fn main() -> BoxResult<()> {
+    // `cargo test --all-targets` runs bench binaries too, without `--bench`: never start a
+    // thousand-node run from there.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("scale bench: run it with cargo bench -p gpupool-operator --bench scale");
+        return Ok(());
+    }
     if std::env::var_os("KUBECONFIG").is_none() {
         println!("scale bench: set KUBECONFIG to an e2e cluster (e2e/cluster up) to run it");
         return Ok(());
