@@ -485,6 +485,20 @@ impl LoopState {
     }
 
     async fn event(&self, gpunode: &GpuNode, warning: bool, reason: &str, note: String) {
+        self.event_with_action(gpunode, warning, reason, reason, note)
+            .await;
+    }
+
+    /// kube's recorder folds Events with the same reason and action into one series (keeping
+    /// the first note), so an Event whose note matters names what differs in its action.
+    async fn event_with_action(
+        &self,
+        gpunode: &GpuNode,
+        warning: bool,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
         let ev = KubeEvent {
             type_: if warning {
                 EventType::Warning
@@ -493,7 +507,7 @@ impl LoopState {
             },
             reason: reason.to_owned(),
             note: Some(note.chars().take(1000).collect()),
-            action: reason.to_owned(),
+            action: action.chars().take(128).collect(),
             secondary: None,
         };
         if let Err(e) = self.recorder.publish(&ev, &gpunode.object_ref(&())).await {
@@ -792,8 +806,21 @@ impl LoopState {
             && (self.seen.validated.as_deref() != Some("False")
                 || failed != self.seen.failed_checks)
         {
-            self.event(gpunode, true, "ValidationFailed", failed.join("; "))
-                .await;
+            let names: Vec<&str> = self
+                .checks
+                .iter()
+                .filter(|c| !c.passed)
+                .map(|c| c.name.as_str())
+                .collect();
+            let action = format!("Validate:{}", names.join(","));
+            self.event_with_action(
+                gpunode,
+                true,
+                "ValidationFailed",
+                &action,
+                failed.join("; "),
+            )
+            .await;
         } else if validated == "True" && self.seen.validated.as_deref() != Some("True") {
             self.event(
                 gpunode,
@@ -1025,19 +1052,21 @@ impl LoopState {
             let prev = self.seen.gpu_health.insert(g.device.index, healthy);
             match (prev, bad) {
                 (Some(true) | None, Some(reason)) => {
-                    self.event(
+                    self.event_with_action(
                         gpunode,
                         true,
                         "DeviceUnhealthy",
+                        &format!("Health:GPU{}", g.device.index),
                         format!("GPU {} ({uuid}): {reason}", g.device.index),
                     )
                     .await
                 }
                 (Some(false), None) => {
-                    self.event(
+                    self.event_with_action(
                         gpunode,
                         false,
                         "DeviceRecovered",
+                        &format!("Health:GPU{}", g.device.index),
                         format!("GPU {} ({uuid}) is healthy again", g.device.index),
                     )
                     .await
