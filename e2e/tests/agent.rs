@@ -782,10 +782,10 @@ async fn agent_applies_mig_layout_and_completes_it_after_kill_9() -> Result<()> 
                     continue;
                 };
                 let Some(s) = gn.status else { continue };
-                if let Ok(mut v) = states.lock() {
-                    if v.last() != Some(&s.mig.state) {
-                        v.push(s.mig.state);
-                    }
+                if let Ok(mut v) = states.lock()
+                    && v.last() != Some(&s.mig.state)
+                {
+                    v.push(s.mig.state);
                 }
             }
         })
