@@ -9,6 +9,14 @@ use std::path::PathBuf;
 /// Errors while rendering the manifests.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// A CRD could not be converted to JSON.
+    #[error("serializing CRD {name} to JSON: {source}")]
+    Json {
+        /// CRD name.
+        name: String,
+        /// Cause.
+        source: serde_json::Error,
+    },
     /// A CRD could not be serialized.
     #[error("serializing CRD {name} to YAML: {source}")]
     Yaml {
@@ -42,10 +50,17 @@ pub fn generated_files() -> Result<Vec<GeneratedFile>, Error> {
     for crd in crds() {
         let name = crd.metadata.name.clone().unwrap_or_default();
         let file_stem = format!("{}_{}", crd.spec.group, crd.spec.names.plural);
-        let yaml = serde_yaml::to_string(&crd).map_err(|source| Error::Yaml {
+        let mut value = serde_json::to_value(&crd).map_err(|source| Error::Json {
             name: name.clone(),
             source,
         })?;
+        drop_unknown_formats(&mut value);
+        let yaml = quote_yaml11_booleans(&serde_yaml::to_string(&value).map_err(|source| {
+            Error::Yaml {
+                name: name.clone(),
+                source,
+            }
+        })?);
         files.push(GeneratedFile {
             path: PathBuf::from(format!("crds/{file_stem}.yaml")),
             content: format!("{HEADER}{yaml}"),
@@ -56,6 +71,65 @@ pub fn generated_files() -> Result<Vec<GeneratedFile>, Error> {
         });
     }
     Ok(files)
+}
+
+/// Integer formats schemars derives from Rust types that the apiserver does not know; it warns
+/// "unrecognized format" for each on every CRD apply. The bounds they imply are expressed with
+/// `minimum`/`maximum` where they matter.
+const UNKNOWN_FORMATS: &[&str] = &[
+    "uint", "uint8", "uint16", "uint32", "uint64", "int8", "int16",
+];
+
+/// Removes `format` keywords the apiserver does not recognize, everywhere in the schema.
+fn drop_unknown_formats(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            if map
+                .get("format")
+                .and_then(serde_json::Value::as_str)
+                .is_some_and(|f| UNKNOWN_FORMATS.contains(&f))
+            {
+                map.remove("format");
+            }
+            map.values_mut().for_each(drop_unknown_formats);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(drop_unknown_formats),
+        _ => {}
+    }
+}
+
+/// Words that YAML 1.1 parsers (the apiserver's and kubectl's among them) read as booleans.
+/// serde_yaml follows YAML 1.2 and leaves some of them unquoted, so the enum value `Off` would
+/// reach the apiserver as `false`. Lowercase `true`/`false` are absent: serde_yaml emits real
+/// booleans that way (and quotes the strings).
+const YAML11_BOOLEANS: &[&str] = &[
+    "y", "Y", "yes", "Yes", "YES", "n", "N", "no", "No", "NO", "True", "TRUE", "False", "FALSE",
+    "on", "On", "ON", "off", "Off", "OFF",
+];
+
+/// Quotes plain scalars that a YAML 1.1 parser would read as booleans, in list items
+/// (`- Off`) and mapping values (`default: Off`).
+fn quote_yaml11_booleans(yaml: &str) -> String {
+    let mut out = String::with_capacity(yaml.len());
+    for line in yaml.lines() {
+        let split = line.rfind(": ").map(|i| i + 2).or_else(|| {
+            line.trim_start()
+                .starts_with("- ")
+                .then(|| line.find("- ").map(|i| i + 2))
+                .flatten()
+        });
+        match split {
+            Some(at) if YAML11_BOOLEANS.contains(&&line[at..]) => {
+                out.push_str(&line[..at]);
+                out.push('\'');
+                out.push_str(&line[at..]);
+                out.push('\'');
+            }
+            _ => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// Wraps a CRD in the chart's install switch and keeps it on `helm uninstall`: deleting a
@@ -72,6 +146,52 @@ fn chart_template(crd_yaml: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn yaml11_booleans_are_quoted_and_nothing_else_changes() {
+        let input =
+            "enum:\n- Off\n- DryRun\ndefault: Off\nenabled: true\nname: 'on'\ntext: a: on\n";
+        let out = quote_yaml11_booleans(input);
+        assert_eq!(
+            out,
+            "enum:\n- 'Off'\n- DryRun\ndefault: 'Off'\nenabled: true\nname: 'on'\ntext: a: 'on'\n"
+        );
+    }
+
+    #[test]
+    fn unknown_integer_formats_are_dropped_and_known_ones_kept() {
+        let mut schema = serde_json::json!({
+            "properties": {
+                "a": {"type": "integer", "format": "uint32", "minimum": 0},
+                "b": {"type": "integer", "format": "int64"},
+                "c": {"items": {"type": "integer", "format": "uint64"}}
+            }
+        });
+        drop_unknown_formats(&mut schema);
+        assert_eq!(
+            schema,
+            serde_json::json!({
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0},
+                    "b": {"type": "integer", "format": "int64"},
+                    "c": {"items": {"type": "integer"}}
+                }
+            })
+        );
+        let files = generated_files().expect("render");
+        assert!(files.iter().all(|f| !f.content.contains("format: uint")));
+    }
+
+    #[test]
+    fn generated_reclaim_mode_off_is_a_string() {
+        let files = generated_files().expect("render");
+        let pools = &files[0].content;
+        assert!(
+            pools.contains("- 'Off'\n"),
+            "the Off enum value must be quoted"
+        );
+        assert!(!pools.contains("- Off\n"));
+    }
 
     #[test]
     fn chart_template_keeps_crd_and_switches_on_value() {

@@ -100,6 +100,10 @@ fn on_signal(token: CancellationToken) -> tokio::task::JoinHandle<()> {
 async fn main() -> Result<()> {
     let args = Args::parse();
     init_logs(&args)?;
+    // kube uses ring; when this binary is built together with the node agent (one workspace
+    // build), feature unification also compiles rustls's aws-lc-rs provider in, and rustls then
+    // refuses to pick a default on its own. Choose ring explicitly, as the agent does.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     if args.lease_grace >= args.lease_duration {
         bail!("--lease-grace must be shorter than --lease-duration");
     }
