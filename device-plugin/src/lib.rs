@@ -1,11 +1,13 @@
-//! gpupool node agent.
+//! The gpupool node agent: GPU backends (NVML and simulated), driver validation, CDI spec
+//! generation, MIG partitioning, utilization sampling, GpuNode status reporting and the kubelet
+//! device-plugin servers.
+pub mod agent;
 pub mod backend;
 pub mod cdi;
 pub mod inventory;
+pub mod metrics_http;
 pub mod mig;
 pub mod plugin;
-pub mod validate;
-pub mod agent;
-pub mod metrics_http;
 pub mod report;
 pub mod utilization;
+pub mod validate;
