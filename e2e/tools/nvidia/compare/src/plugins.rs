@@ -69,8 +69,10 @@ pub struct Running {
     pub log: PathBuf,
 }
 
-/// How long a registration may take.
-pub const REGISTER_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a registration may take (NVIDIA's plugin retries a failed round after 30 s).
+pub const REGISTER_TIMEOUT: Duration = Duration::from_secs(45);
+/// What NVIDIA's plugin logs before retrying a registration round.
+const RETRY_MARK: &str = "Failed to start one or more plugins";
 /// After the last registration, how long without a new one before the set counts as complete.
 pub const QUIET: Duration = Duration::from_millis(1500);
 
@@ -94,7 +96,7 @@ pub async fn start(
             let plugin_dir = var_lib.join("kubelet/device-plugins");
             fs::create_dir_all(&plugin_dir)?;
             fs::create_dir_all(run.join("cdi"))?;
-            let kubelet = KubeletStandin::start(&plugin_dir).await?;
+            let kubelet = KubeletStandin::start(&short_path(&plugin_dir)?).await?;
             let mut command = Command::new("unshare");
             command
                 .args(crate::node::host_namespace_args(
@@ -123,7 +125,7 @@ pub async fn start(
             spawn(command, kubelet, &log)
         }
         Side::Gpupool => {
-            let plugin_dir = work.join("kubelet");
+            let plugin_dir = short_path(&work.join("kubelet"))?;
             fs::create_dir_all(&plugin_dir)?;
             let kubelet = KubeletStandin::start(&plugin_dir).await?;
             let mut command = Command::new(self_exe);
@@ -138,6 +140,23 @@ pub async fn start(
             spawn(command, kubelet, &log)
         }
     }
+}
+
+/// A short symlink to `dir` in the temp directory: unix socket paths are limited to 107 bytes,
+/// and `<work>/<scenario>/…/kubelet/device-plugins/nvidia-mig-1g.10gb.sock` can exceed that
+/// (the stand-in's dial-back then fails with a transport error). Made once per directory.
+fn short_path(dir: &Path) -> Result<PathBuf> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    fs::create_dir_all(dir)?;
+    let link = std::env::temp_dir().join(format!(
+        "gpnv{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = fs::remove_file(&link);
+    std::os::unix::fs::symlink(dir, &link)?;
+    Ok(link)
 }
 
 fn spawn(mut command: Command, kubelet: KubeletStandin, log: &Path) -> Result<Running> {
@@ -168,6 +187,8 @@ pub struct Registered {
     pub took: Duration,
     /// Set when the process exited instead (its log tail).
     pub exited: Option<String>,
+    /// Registration rounds NVIDIA's plugin had to retry (its log says so).
+    pub retries: usize,
 }
 
 fn log_tail(path: &Path) -> String {
@@ -182,8 +203,10 @@ impl Running {
         let mut out = Registered::default();
         let deadline = Instant::now() + REGISTER_TIMEOUT;
         let mut pending: BTreeSet<String> = BTreeSet::new();
+        let mut retries_seen = 0;
+        let mut waiting_for_retry = false;
         loop {
-            let wait = if out.resources.is_empty() && pending.is_empty() {
+            let wait = if (out.resources.is_empty() && pending.is_empty()) || waiting_for_retry {
                 deadline.saturating_duration_since(Instant::now())
             } else {
                 QUIET
@@ -198,6 +221,7 @@ impl Running {
                 }
                 event = self.kubelet.next_event(wait) => match event {
                     Some(KubeletEvent::Registered { request, .. }) => {
+                        waiting_for_retry = false;
                         pending.insert(request.resource_name);
                     }
                     Some(KubeletEvent::Devices { resource, devices }) => {
@@ -207,7 +231,22 @@ impl Running {
                         out.resources.entry(resource).or_insert(devices);
                     }
                     Some(KubeletEvent::StreamClosed { .. }) => {}
-                    None if pending.is_empty() => return Ok(out),
+                    None if pending.is_empty() => {
+                        // NVIDIA's plugin restarts every resource 30 s after one failed to
+                        // register (seen under load: the stand-in's dial-back failing); wait
+                        // for that round rather than report a partial set.
+                        let retries = fs::read_to_string(&self.log)
+                            .unwrap_or_default()
+                            .matches(RETRY_MARK)
+                            .count();
+                        if retries > retries_seen {
+                            retries_seen = retries;
+                            out.retries = retries;
+                            waiting_for_retry = true;
+                            continue;
+                        }
+                        return Ok(out);
+                    }
                     None => {}
                 },
             }
@@ -253,7 +292,11 @@ impl Running {
                 let _ = self.child.kill().await;
             }
         }
+        let link = self.kubelet.socket_path().parent().map(Path::to_path_buf);
         self.kubelet.shutdown().await;
+        if let Some(link) = link.filter(|l| l.is_symlink()) {
+            let _ = fs::remove_file(link);
+        }
     }
 }
 
