@@ -100,14 +100,15 @@ fn nvidia_conformance() {
             );
         }
     }
-    let plugin_runs: Vec<&String> = rows
+    let plugin_runs: std::collections::BTreeSet<&String> = rows
         .keys()
         .map(|(s, _)| s)
         .filter(|s| s.contains(" strategy="))
         .collect();
-    assert!(
-        plugin_runs.len() >= 9,
-        "expected every scenario × strategy in the report"
+    assert_eq!(
+        plugin_runs.len(),
+        10,
+        "expected every scenario × strategy in the report: {plugin_runs:?}"
     );
     for label in plugin_runs {
         let registered = rows
