@@ -16,6 +16,7 @@
 //! [`Cluster::client`], and the built kubectl with [`Cluster::kubectl`]. See
 //! [`cluster`] for how the cluster is started and always torn down.
 
+pub mod agent;
 pub mod cluster;
 pub mod crds;
 pub mod kubectl;

@@ -27,6 +27,7 @@ use anyhow::{Context, Result, ensure};
 use gpupool_crds::node::{GpuMigSpec, GpuNodeStatus, MigState, NodeMigSpec, UtilizationSpec};
 use gpupool_crds::policy::{CdiDeviceNameStrategy, DriverPolicy, MigStrategy};
 use gpupool_crds::{GpuNode, GpuNodeSpec};
+use gpupool_e2e::agent::{agent_binaries, fake_driver_root};
 use gpupool_e2e::wait::poll;
 use gpupool_e2e::{Cluster, FAKE_NODE_LABEL, TestScope, crds, repo_root};
 use k8s_openapi::api::core::v1::{Event, Node};
@@ -42,62 +43,10 @@ struct Binaries {
 
 static BINARIES: OnceLock<Result<Binaries, String>> = OnceLock::new();
 
-fn target_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
-        return PathBuf::from(dir);
-    }
-    // <target>/debug/deps/agent-<hash>
-    std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent()?.parent()?.parent().map(Path::to_path_buf))
-        .unwrap_or_else(|| repo_root().join("target"))
-}
-
 fn build_binaries() -> Result<Binaries> {
     let private = repo_root().join(format!("target/e2e-agent-bin/{}", std::process::id()));
-    fs::create_dir_all(&private)?;
-    let from_env = |var: &str| std::env::var_os(var).map(PathBuf::from);
-    let (agent, nvml) = match (
-        from_env("GPUPOOL_AGENT_BIN"),
-        from_env("GPUPOOL_FAKE_NVML_LIB"),
-    ) {
-        (Some(a), Some(n)) => (a, n),
-        _ => {
-            let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-                .current_dir(repo_root())
-                .args([
-                    "build",
-                    "-p",
-                    "gpupool-device-plugin",
-                    "--bin",
-                    "gpupool-device-plugin",
-                    "-p",
-                    "gpupool-fake-nvml",
-                ])
-                .env("CARGO_TARGET_DIR", target_dir())
-                .stdin(Stdio::null())
-                .status()
-                .context("running cargo build for the agent")?;
-            ensure!(
-                status.success(),
-                "cargo build of the agent failed ({status})"
-            );
-            let debug = target_dir().join("debug");
-            (
-                debug.join("gpupool-device-plugin"),
-                debug.join("libnvidia_ml.so"),
-            )
-        }
-    };
-    let agent_copy = private.join("gpupool-device-plugin");
-    let nvml_copy = private.join("libnvidia-ml.so.1");
-    fs::copy(&agent, &agent_copy).with_context(|| format!("copying {}", agent.display()))?;
-    fs::copy(&nvml, &nvml_copy).with_context(|| format!("copying {}", nvml.display()))?;
-    fs::set_permissions(&agent_copy, fs::Permissions::from_mode(0o755))?;
-    Ok(Binaries {
-        agent: agent_copy,
-        nvml: nvml_copy,
-    })
+    let (agent, nvml) = agent_binaries(&private)?;
+    Ok(Binaries { agent, nvml })
 }
 
 fn binaries() -> Result<&'static Binaries> {
@@ -163,49 +112,6 @@ impl NodeHost {
             .join("device-plugins")
             .join(format!("gpupool-{}.sock", resource.replace('/', "-")))
     }
-}
-
-/// A driver root as a driver installs it, with device nodes as plain files.
-fn fake_driver_root(root: &Path, version: &str, gpus: u32) -> Result<()> {
-    let write = |rel: &str, content: &str| -> Result<()> {
-        let path = root.join(rel);
-        fs::create_dir_all(path.parent().context("no parent")?)?;
-        fs::write(path, content)?;
-        Ok(())
-    };
-    for n in [
-        "nvidiactl",
-        "nvidia-uvm",
-        "nvidia-uvm-tools",
-        "nvidia-modeset",
-    ] {
-        write(&format!("dev/{n}"), "")?;
-    }
-    let mut minors = String::from("config 1\nmonitor 2\n");
-    let mut next = 3;
-    for gpu in 0..gpus {
-        write(&format!("dev/nvidia{gpu}"), "")?;
-        for gi in 0..15 {
-            minors.push_str(&format!("gpu{gpu}/gi{gi}/access {next}\n"));
-            write(&format!("dev/nvidia-caps/nvidia-cap{next}"), "")?;
-            next += 1;
-            for ci in 0..8 {
-                minors.push_str(&format!("gpu{gpu}/gi{gi}/ci{ci}/access {next}\n"));
-                write(&format!("dev/nvidia-caps/nvidia-cap{next}"), "")?;
-                next += 1;
-            }
-        }
-    }
-    write("proc/driver/nvidia-caps/mig-minors", &minors)?;
-    write(
-        "proc/driver/nvidia/version",
-        &format!("NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}\n"),
-    )?;
-    for lib in ["libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler"] {
-        write(&format!("usr/lib/x86_64-linux-gnu/{lib}.so.{version}"), "")?;
-    }
-    write("usr/bin/nvidia-smi", "")?;
-    Ok(())
 }
 
 /// A running agent; killed (SIGKILL) on drop.

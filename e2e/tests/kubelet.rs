@@ -26,7 +26,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{Read, Seek, SeekFrom};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
@@ -35,6 +35,7 @@ use anyhow::{Context, Result, bail, ensure};
 use gpupool_crds::node::{GpuMigSpec, GpuNodeStatus, MigState, NodeMigSpec, UtilizationSpec};
 use gpupool_crds::policy::{DriverPolicy, MigStrategy};
 use gpupool_crds::{GpuNode, GpuNodeSpec};
+use gpupool_e2e::agent::{agent_binaries, fake_driver_root};
 use gpupool_e2e::wait::poll;
 use gpupool_e2e::{Cluster, TestScope, crds, repo_root};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -202,103 +203,6 @@ impl Drop for RealKubelet {
 
 // --- the agent ---------------------------------------------------------------------------------
 
-fn target_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
-        return PathBuf::from(dir);
-    }
-    std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent()?.parent()?.parent().map(Path::to_path_buf))
-        .unwrap_or_else(|| repo_root().join("target"))
-}
-
-/// The agent binary and the fake NVML library, copied to `dir` (the shared target directory may
-/// be rebuilt by others meanwhile); `GPUPOOL_AGENT_BIN` / `GPUPOOL_FAKE_NVML_LIB` name prebuilt ones.
-fn agent_binaries(dir: &Path) -> Result<(PathBuf, PathBuf)> {
-    let from_env = |var: &str| std::env::var_os(var).map(PathBuf::from);
-    let (agent, nvml) = match (
-        from_env("GPUPOOL_AGENT_BIN"),
-        from_env("GPUPOOL_FAKE_NVML_LIB"),
-    ) {
-        (Some(a), Some(n)) => (a, n),
-        _ => {
-            let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-                .current_dir(repo_root())
-                .args([
-                    "build",
-                    "-p",
-                    "gpupool-device-plugin",
-                    "--bin",
-                    "gpupool-device-plugin",
-                    "-p",
-                    "gpupool-fake-nvml",
-                ])
-                .env("CARGO_TARGET_DIR", target_dir())
-                .stdin(Stdio::null())
-                .status()
-                .context("running cargo build for the agent")?;
-            ensure!(
-                status.success(),
-                "cargo build of the agent failed ({status})"
-            );
-            let debug = target_dir().join("debug");
-            (
-                debug.join("gpupool-device-plugin"),
-                debug.join("libnvidia_ml.so"),
-            )
-        }
-    };
-    let agent_copy = dir.join("gpupool-device-plugin");
-    let nvml_copy = dir.join("libnvidia-ml.so.1");
-    fs::copy(&agent, &agent_copy).with_context(|| format!("copying {}", agent.display()))?;
-    fs::copy(&nvml, &nvml_copy).with_context(|| format!("copying {}", nvml.display()))?;
-    fs::set_permissions(&agent_copy, fs::Permissions::from_mode(0o755))?;
-    Ok((agent_copy, nvml_copy))
-}
-
-/// A driver root as a driver installs it, device nodes as plain files (for validation).
-fn fake_driver_root(root: &Path, gpus: u32) -> Result<()> {
-    let write = |rel: &str, content: &str| -> Result<()> {
-        let path = root.join(rel);
-        fs::create_dir_all(path.parent().context("no parent")?)?;
-        fs::write(path, content)?;
-        Ok(())
-    };
-    for n in [
-        "nvidiactl",
-        "nvidia-uvm",
-        "nvidia-uvm-tools",
-        "nvidia-modeset",
-    ] {
-        write(&format!("dev/{n}"), "")?;
-    }
-    let mut minors = String::from("config 1\nmonitor 2\n");
-    let mut next = 3;
-    for gpu in 0..gpus {
-        write(&format!("dev/nvidia{gpu}"), "")?;
-        for gi in 0..15 {
-            minors.push_str(&format!("gpu{gpu}/gi{gi}/access {next}\n"));
-            write(&format!("dev/nvidia-caps/nvidia-cap{next}"), "")?;
-            next += 1;
-            for ci in 0..8 {
-                minors.push_str(&format!("gpu{gpu}/gi{gi}/ci{ci}/access {next}\n"));
-                write(&format!("dev/nvidia-caps/nvidia-cap{next}"), "")?;
-                next += 1;
-            }
-        }
-    }
-    write("proc/driver/nvidia-caps/mig-minors", &minors)?;
-    write(
-        "proc/driver/nvidia/version",
-        &format!("NVRM version: NVIDIA UNIX x86_64 Kernel Module  {DRIVER}\n"),
-    )?;
-    for lib in ["libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler"] {
-        write(&format!("usr/lib/x86_64-linux-gnu/{lib}.so.{DRIVER}"), "")?;
-    }
-    write("usr/bin/nvidia-smi", "")?;
-    Ok(())
-}
-
 /// The agent for `real-node-0`; SIGKILLed on drop.
 struct Agent {
     child: Child,
@@ -319,7 +223,7 @@ impl Agent {
             ),
         )?;
         let driver_root = dir.join("driver");
-        fake_driver_root(&driver_root, 2)?;
+        fake_driver_root(&driver_root, DRIVER, 2)?;
         let log = dir.join("agent.log");
         let state = dir.join("nvml-state.json");
         let out = fs::File::create(&log)?;
