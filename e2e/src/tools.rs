@@ -7,12 +7,16 @@ use anyhow::{Context, Result, bail};
 
 /// The repository root (the workspace holding this crate).
 pub fn repo_root() -> PathBuf {
-    // CARGO_MANIFEST_DIR is <repo>/e2e at compile time; the tests run from a
-    // checkout, never from an installed copy.
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    // `cargo test` sets CARGO_MANIFEST_DIR (<repo>/e2e) when it runs the tests too;
+    // prefer that to the compile-time value, which goes stale when two checkouts
+    // share one target directory and cargo reuses a build made from the other.
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    manifest_dir
         .parent()
         .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+        .unwrap_or(manifest_dir)
 }
 
 /// Path of `e2e/tools/build.sh`.

@@ -793,7 +793,8 @@ async fn agent_applies_mig_layout_and_completes_it_after_kill_9() -> Result<()> 
             async move { Ok(ok.then_some(())) }
         },
     )
-    .await?;
+    .await
+    .with_context(|| agent.log_text())?;
     let text = fs::read_to_string(host.spec_file())?;
     for j in 0..7 {
         ensure!(
