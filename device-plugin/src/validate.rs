@@ -60,17 +60,6 @@ pub fn compare_versions(a: &str, b: &str) -> Option<Ordering> {
     Some(a.cmp(&b))
 }
 
-/// Persistence mode as observed. The backend trait has no query for it yet.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Persistence {
-    /// The backend cannot tell.
-    Unsupported,
-    /// GPUs with persistence mode off.
-    Off(Vec<u32>),
-    /// On everywhere.
-    On,
-}
-
 /// Everything the checks look at.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Observations {
@@ -84,8 +73,8 @@ pub struct Observations {
     pub health: BTreeMap<u32, Result<HealthSnapshot, String>>,
     /// Fatal Xids seen since the agent started, per GPU: (GPU, Xid).
     pub fatal_xids: Vec<(u32, u64)>,
-    /// Persistence mode.
-    pub persistence: Persistence,
+    /// Persistence mode per GPU index: on, off, or why it could not be read.
+    pub persistence: BTreeMap<u32, Result<bool, String>>,
 }
 
 fn check(name: &str, passed: bool, message: impl Into<String>) -> CheckResult {
@@ -281,28 +270,52 @@ pub fn run_checks(policy: &DriverPolicy, obs: &Observations) -> Vec<CheckResult>
                     format!("fatal Xid errors: {}", list.join("; ")),
                 )
             }),
-            DriverCheck::PersistenceMode => out.push(match &obs.persistence {
-                Persistence::On => check("PersistenceMode", true, "persistence mode on"),
-                Persistence::Unsupported => check(
-                    "PersistenceMode",
-                    true,
-                    "persistence mode cannot be read through this backend; not checked",
-                ),
-                Persistence::Off(gpus) => {
-                    let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
-                    check(
-                        "PersistenceMode",
-                        false,
-                        format!(
-                            "persistence mode off on GPU {}: enable nvidia-persistenced",
-                            list.join(", ")
-                        ),
-                    )
-                }
-            }),
+            DriverCheck::PersistenceMode => out.push(persistence_check(&obs.persistence)),
         }
     }
     out
+}
+
+fn persistence_check(persistence: &BTreeMap<u32, Result<bool, String>>) -> CheckResult {
+    let with_mode = |mode: bool| -> Vec<String> {
+        persistence
+            .iter()
+            .filter(|(_, p)| p.as_ref().is_ok_and(|on| *on == mode))
+            .map(|(gpu, _)| gpu.to_string())
+            .collect()
+    };
+    let (on, off) = (with_mode(true), with_mode(false));
+    let unreadable: Vec<String> = persistence
+        .iter()
+        .filter_map(|(gpu, p)| p.as_ref().err().map(|e| format!("GPU {gpu}: {e}")))
+        .collect();
+    let not_read = if unreadable.is_empty() {
+        String::new()
+    } else {
+        format!("; not readable, so not checked: {}", unreadable.join("; "))
+    };
+    if !off.is_empty() {
+        return check(
+            "PersistenceMode",
+            false,
+            format!(
+                "persistence mode off on GPU {}: enable it with `nvidia-smi -pm 1` or run \
+                 nvidia-persistenced, so the driver stays initialised between jobs{not_read}",
+                off.join(", ")
+            ),
+        );
+    }
+    let message = if on.is_empty() && unreadable.is_empty() {
+        "no GPUs to check".to_owned()
+    } else if on.is_empty() {
+        format!(
+            "persistence mode cannot be read, so it is not checked: {}",
+            unreadable.join("; ")
+        )
+    } else {
+        format!("persistence mode on for GPU {}{not_read}", on.join(", "))
+    };
+    check("PersistenceMode", true, message)
 }
 
 /// Gathers the facts: NVML through `backend` (`None` when it failed to load, with the error),
@@ -318,6 +331,7 @@ pub fn observe(
         .map(|t| t.lines().next().unwrap_or_default().trim().to_owned());
     let mut missing = Vec::new();
     let mut health = BTreeMap::new();
+    let mut persistence = BTreeMap::new();
     let nvml = match backend {
         Err(e) => Err(e),
         Ok(b) => {
@@ -327,6 +341,10 @@ pub fn observe(
                 for d in devices {
                     nodes.push(format!("dev/nvidia{}", d.minor_number));
                     health.insert(d.index, b.health(d.index).map_err(|e| e.to_string()));
+                    persistence.insert(
+                        d.index,
+                        b.persistence_mode(d.index).map_err(|e| e.to_string()),
+                    );
                 }
             }
             for n in nodes {
@@ -343,13 +361,14 @@ pub fn observe(
         missing_device_nodes: missing,
         health,
         fatal_xids,
-        persistence: Persistence::Unsupported,
+        persistence,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     fn driver(version: &str, cuda: &str) -> DriverInfo {
         DriverInfo {
@@ -374,7 +393,7 @@ mod tests {
             .into_iter()
             .collect(),
             fatal_xids: vec![],
-            persistence: Persistence::Unsupported,
+            persistence: [(0, Ok(true))].into_iter().collect(),
         }
     }
 
@@ -412,10 +431,9 @@ mod tests {
                 "PersistenceMode"
             ]
         );
-        assert!(
-            find(&checks, "PersistenceMode")
-                .message
-                .contains("cannot be read")
+        assert_eq!(
+            find(&checks, "PersistenceMode").message,
+            "persistence mode on for GPU 0"
         );
     }
 
@@ -484,8 +502,10 @@ mod tests {
             ("XidErrors", |o| o.fatal_xids = vec![(0, 79)], "Xid 79"),
             (
                 "PersistenceMode",
-                |o| o.persistence = Persistence::Off(vec![3]),
-                "GPU 3",
+                |o| {
+                    o.persistence.insert(3, Ok(false));
+                },
+                "off on GPU 3: enable it with `nvidia-smi -pm 1`",
             ),
         ];
         for (name, mutate, needle) in cases {
@@ -505,6 +525,86 @@ mod tests {
                 .collect();
             assert!(others_fail.is_empty(), "{name}: {others_fail:?}");
         }
+    }
+
+    #[test]
+    fn persistence_mode_names_the_gpus_that_have_it_off() {
+        let run = |persistence: Vec<(u32, Result<bool, String>)>| {
+            let obs = Observations {
+                persistence: persistence.into_iter().collect(),
+                ..good()
+            };
+            let p = DriverPolicy {
+                checks: vec![DriverCheck::PersistenceMode],
+                ..DriverPolicy::default()
+            };
+            let checks = run_checks(&p, &obs);
+            assert_eq!(checks.len(), 1, "{checks:?}");
+            checks[0].clone()
+        };
+        let lost = || Err("reading persistence mode on GPU 2: lost".to_owned());
+
+        let c = run(vec![
+            (0, Ok(true)),
+            (1, Ok(false)),
+            (2, lost()),
+            (3, Ok(false)),
+        ]);
+        assert!(!c.passed, "{c:?}");
+        assert!(
+            c.message.starts_with("persistence mode off on GPU 1, 3: "),
+            "{}",
+            c.message
+        );
+        assert!(
+            c.message.contains("nvidia-smi -pm 1") && c.message.contains("nvidia-persistenced"),
+            "{}",
+            c.message
+        );
+        assert!(
+            c.message.contains("GPU 2: reading persistence mode"),
+            "{}",
+            c.message
+        );
+        assert!(!c.message.contains("GPU 0"), "{}", c.message);
+
+        let c = run(vec![(0, Ok(true)), (1, Ok(true))]);
+        assert!(c.passed);
+        assert_eq!(c.message, "persistence mode on for GPU 0, 1");
+
+        // Unreadable is reported, not failed: the GPU's own health checks fail it.
+        let c = run(vec![(0, Ok(true)), (2, lost())]);
+        assert!(c.passed, "{c:?}");
+        assert!(c.message.contains("not checked: GPU 2"), "{}", c.message);
+        let c = run(vec![(2, lost())]);
+        assert!(c.passed && c.message.starts_with("persistence mode cannot be read"));
+
+        let c = run(vec![]);
+        assert!(c.passed);
+        assert_eq!(c.message, "no GPUs to check");
+    }
+
+    #[test]
+    fn observe_reads_persistence_mode_from_the_backend() {
+        use crate::backend::{Fixture, ManualClock, SimBackend};
+        let fixture: Fixture = serde_yaml::from_str(
+            "driver: {version: \"550.54.15\", cuda: \"12.4\"}\n\
+             gpus:\n  - {model: L4, count: 2}\n  - {model: L4, persistence_mode: false}\n",
+        )
+        .unwrap();
+        let sim = SimBackend::new(fixture, Arc::new(ManualClock::new())).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let obs = observe(Ok(&sim), dir.path(), dir.path(), vec![]);
+        assert_eq!(
+            obs.persistence,
+            [(0, Ok(true)), (1, Ok(true)), (2, Ok(false))]
+                .into_iter()
+                .collect()
+        );
+        let checks = run_checks(&DriverPolicy::default(), &obs);
+        let c = find(&checks, "PersistenceMode");
+        assert!(!c.passed);
+        assert!(c.message.contains("off on GPU 2:"), "{}", c.message);
     }
 
     #[test]

@@ -13,12 +13,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use gpupool_crds::catalog;
+use gpupool_crds::policy::{DriverCheck, DriverPolicy};
 use gpupool_device_plugin::backend::sim::model::{Node, StateFile};
 use gpupool_device_plugin::backend::{
     CiProfileId, ComputeInstanceId, ErrorKind, Fault, FaultKind, GiProfileId, GpuBackend,
     GpuInstanceId, HealthEventKind, ManualClock, MigMode, MigModeChange, NvmlBackend, NvmlOptions,
     PcieLink, Placement, SimBackend,
 };
+use gpupool_device_plugin::validate;
 
 // ---------------------------------------------------------------------------------------------
 // Harnesses
@@ -225,6 +227,7 @@ fn enumeration(h: &dyn Harness) -> Vec<String> {
     for a in 0..devices.len() as u32 {
         t.push(line(&format!("numa {a}"), &b.numa_node(a)));
         t.push(line(&format!("health {a}"), &b.health(a)));
+        t.push(line(&format!("persistence {a}"), &b.persistence_mode(a)));
         t.push(line(&format!("mig mode {a}"), &b.mig_mode(a)));
         for c in 0..devices.len() as u32 {
             t.push(line(&format!("topology {a}-{c}"), &b.topology(a, c)));
@@ -289,6 +292,51 @@ fn enumeration_rtx4090_explicit_identity() {
             ErrorKind::NotSupported
         );
         enumeration(h)
+    });
+}
+
+#[test]
+fn persistence_mode_off_on_one_gpu_fails_validation() {
+    conform("persistence-off.yaml", |h| {
+        let b = h.backend();
+        let mut t = enumeration(h);
+        assert!(b.persistence_mode(0).unwrap());
+        assert!(!b.persistence_mode(1).unwrap());
+        let policy = DriverPolicy {
+            checks: vec![DriverCheck::PersistenceMode],
+            ..DriverPolicy::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let judge = |t: &mut Vec<String>| {
+            let obs = validate::observe(Ok(b), dir.path(), dir.path(), vec![]);
+            let checks = validate::run_checks(&policy, &obs);
+            t.push(format!("checks: {checks:?}"));
+            assert_eq!(checks.len(), 1);
+            checks.into_iter().next().unwrap()
+        };
+        let check = judge(&mut t);
+        assert_eq!(check.name, "PersistenceMode");
+        assert!(!check.passed, "{} {check:?}", h.name());
+        assert!(
+            check.message.starts_with("persistence mode off on GPU 1: ")
+                && check.message.contains("nvidia-smi -pm 1"),
+            "{}",
+            check.message
+        );
+
+        // A lost GPU cannot say; it is reported, and GPU 1 still fails the check.
+        h.set_time(61.0);
+        let lost = b.persistence_mode(2);
+        t.push(line("persistence 2 when lost", &lost));
+        assert_eq!(lost.unwrap_err().kind(), ErrorKind::GpuLost);
+        let check = judge(&mut t);
+        assert!(!check.passed);
+        assert!(
+            check.message.contains("not checked: GPU 2"),
+            "{}",
+            check.message
+        );
+        t
     });
 }
 

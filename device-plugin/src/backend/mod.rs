@@ -39,6 +39,9 @@ pub trait GpuBackend: Send + Sync {
     fn numa_node(&self, gpu: u32) -> Result<Option<u32>>;
     /// Health counters of a GPU. A GPU that fell off the bus answers [`Error::GpuLost`].
     fn health(&self, gpu: u32) -> Result<HealthSnapshot>;
+    /// Whether persistence mode is on (the driver stays initialised with no client attached).
+    /// GPUs that cannot report it answer [`Error::NotSupported`].
+    fn persistence_mode(&self, gpu: u32) -> Result<bool>;
     /// Subscribes to health events (Xid, ECC) of every GPU. Each subscription delivers each
     /// event once.
     fn health_events(&self) -> Result<Box<dyn HealthEvents + '_>>;

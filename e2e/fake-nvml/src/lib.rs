@@ -658,6 +658,18 @@ export! {
         out(temp, h.temperature_c)
     }
 
+    fn nvmlDeviceGetPersistenceMode(device: nvmlDevice_t, mode: *mut sys::nvmlEnableState_t) {
+        let c = ctx()?;
+        let g = gpu_of(&c, device)?;
+        let (state, now) = c.read()?;
+        let on = sim(state.persistence_mode(&c.node, g, now))?;
+        out(mode, if on {
+            sys::nvmlEnableState_enum_NVML_FEATURE_ENABLED
+        } else {
+            sys::nvmlEnableState_enum_NVML_FEATURE_DISABLED
+        })
+    }
+
     fn nvmlDeviceGetUtilizationRates(device: nvmlDevice_t, utilization: *mut sys::nvmlUtilization_t) {
         let c = ctx()?;
         let g = gpu_of(&c, device)?;

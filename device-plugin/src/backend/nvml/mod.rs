@@ -541,6 +541,13 @@ impl GpuBackend for NvmlBackend {
         })
     }
 
+    fn persistence_mode(&self, gpu: u32) -> Result<bool> {
+        let op = "reading persistence mode";
+        self.dev(op, gpu)?
+            .is_in_persistent_mode()
+            .map_err(|e| wrapper_error(op, gpu_target(gpu), e))
+    }
+
     fn health_events(&self) -> Result<Box<dyn HealthEvents + '_>> {
         let op = "subscribing to health events";
         let raw = self.raw();

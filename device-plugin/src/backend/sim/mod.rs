@@ -380,6 +380,12 @@ impl GpuBackend for SimBackend {
         })
     }
 
+    fn persistence_mode(&self, gpu: u32) -> Result<bool> {
+        self.read("reading persistence mode", gpu_target(gpu), |s, n, now| {
+            s.persistence_mode(n, gpu, now)
+        })
+    }
+
     fn health_events(&self) -> Result<Box<dyn HealthEvents + '_>> {
         Ok(Box::new(SimEvents {
             sim: self,

@@ -75,10 +75,17 @@ pub struct GpuGroup {
     /// Temperature in °C when nothing else is said.
     #[serde(default = "default_temperature")]
     pub temperature_c: u32,
+    /// Whether persistence mode is on (`nvidia-smi -pm 1`, or nvidia-persistenced running).
+    #[serde(default = "enabled")]
+    pub persistence_mode: bool,
 }
 
 fn one() -> u32 {
     1
+}
+
+fn enabled() -> bool {
+    true
 }
 
 fn default_temperature() -> u32 {
@@ -415,6 +422,8 @@ pub struct SimGpu {
     pub mig_enabled_at_boot: bool,
     /// Temperature when no fault says otherwise.
     pub temperature_c: u32,
+    /// Whether persistence mode is on.
+    pub persistence_mode: bool,
 }
 
 /// A fixture resolved into GPUs; immutable.
@@ -530,6 +539,7 @@ impl Node {
                         .unwrap_or(0),
                     mig_enabled_at_boot: group.mig_enabled,
                     temperature_c: group.temperature_c,
+                    persistence_mode: group.persistence_mode,
                 });
             }
         }
@@ -899,6 +909,13 @@ impl SimState {
             }
         }
         Ok(health)
+    }
+
+    /// Persistence mode at `now` (`nvmlDeviceGetPersistenceMode`): as the fixture says, unless
+    /// the GPU is lost.
+    pub fn persistence_mode(&self, node: &Node, gpu: u32, now: f64) -> SimResult<bool> {
+        self.check_alive(node, gpu, now)?;
+        Ok(node.gpu(gpu)?.persistence_mode)
     }
 
     /// Events of every GPU whose faults are active at `now`, in order; the caller remembers
