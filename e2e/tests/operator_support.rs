@@ -130,6 +130,43 @@ impl Operator {
         let _ = self.child.wait();
     }
 
+    /// Its `/metrics` text: the address comes from its log (it listens on a free port).
+    pub async fn metrics(&self) -> Result<String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let text = std::fs::read_to_string(&self.log)
+            .with_context(|| format!("reading {}", self.log.display()))?;
+        let line = text
+            .lines()
+            .map(strip_ansi)
+            .find(|l| l.contains("serving /metrics"))
+            .with_context(|| {
+                format!(
+                    "the operator has not logged its address yet:\n{}",
+                    self.log_tail()
+                )
+            })?;
+        let addr = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("addr="))
+            .with_context(|| format!("no addr= in {line:?}"))?
+            .to_owned();
+        let mut stream = tokio::net::TcpStream::connect(&addr)
+            .await
+            .with_context(|| format!("connecting to the operator at {addr}"))?;
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: operator\r\nConnection: close\r\n\r\n")
+            .await?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await?;
+        let (head, body) = response
+            .split_once("\r\n\r\n")
+            .with_context(|| format!("not an HTTP response: {response:?}"))?;
+        ensure(head.starts_with("HTTP/1.1 200"), || {
+            format!("GET /metrics: {head}")
+        })?;
+        Ok(body.to_owned())
+    }
+
     /// The tail of its log, for failure messages.
     pub fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
@@ -142,6 +179,25 @@ impl Drop for Operator {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// A log line without its terminal colour codes.
+pub fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI: ESC [ parameters, ended by a letter.
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// Creates the scope's own kwok GPU node, labelled with the scope label (so the scope deletes

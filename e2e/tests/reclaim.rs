@@ -12,6 +12,7 @@ use gpupool_crds::labels::{IDLE_SINCE_ANNOTATION, RECLAIM_AT_ANNOTATION};
 use gpupool_crds::node::{Activity, GpuStatus, Idleness, PodRef};
 use gpupool_crds::pool::ReclaimRecord;
 use gpupool_e2e::{Cluster, TestScope, crds, wait};
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -21,6 +22,10 @@ use kube::api::{ListParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use support::*;
+
+/// Pods with this label are left running by the e2e cluster's kwok, which otherwise completes
+/// a Job's pod at once (see `write_kwok_stages` in e2e/cluster).
+const KEEP_RUNNING_LABEL: &str = "e2e.gpupool.io/keep-running";
 
 /// What the fake agent says about one pod's GPU.
 #[derive(Clone, Copy)]
@@ -519,5 +524,145 @@ async fn a_new_leader_finishes_the_reclaim_without_repeating_it() -> Result<()> 
         .await
         .with_context(|| survivor.log_tail())?;
     survivor.kill();
+    Ok(())
+}
+
+/// Creates a one-pod Job on `node` whose pod holds one GPU and keeps running (kwok would
+/// otherwise complete it), and returns its pod once it runs, started an hour ago.
+async fn running_job_pod(client: &Client, scope: &TestScope, job: &str, node: &str) -> Result<Pod> {
+    let (k, v) = scope.label();
+    let ns = scope.namespace();
+    let manifest: Job = serde_json::from_value(json!({
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": { "name": job, "labels": { k: v } },
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "metadata": { "labels": { k: v, KEEP_RUNNING_LABEL: "true" } },
+                "spec": {
+                    "restartPolicy": "Never",
+                    "nodeName": node,
+                    "containers": [{
+                        "name": "main",
+                        "image": "registry.invalid/train:1",
+                        "resources": { "limits": { "nvidia.com/gpu": "1" } },
+                    }],
+                    "tolerations": [{ "operator": "Exists" }],
+                    "terminationGracePeriodSeconds": 0,
+                },
+            },
+        },
+    }))?;
+    Api::<Job>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &manifest)
+        .await
+        .with_context(|| format!("creating Job {ns}/{job}"))?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let selector = format!("batch.kubernetes.io/job-name={job}");
+    let pod = wait::poll(
+        &format!("the pod of Job {job} Running"),
+        REACT,
+        POLL,
+        || {
+            let (pods, selector) = (pods.clone(), selector.clone());
+            async move {
+                let list = pods.list(&ListParams::default().labels(&selector)).await?;
+                Ok(list.items.into_iter().find(|p| {
+                    p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                }))
+            }
+        },
+    )
+    .await?;
+    backdate_start(client, ns, &pod.name_any()).await
+}
+
+async fn job_suspended(client: &Client, ns: &str, job: &str) -> Result<bool> {
+    let api: Api<Job> = Api::namespaced(client.clone(), ns);
+    Ok(api.get(job).await?.spec.and_then(|s| s.suspend) == Some(true))
+}
+
+#[tokio::test]
+async fn an_idle_job_pod_gets_its_job_suspended_at_the_deadline() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "reclaim-job")?;
+    let client = cluster.client().await?;
+    // Auto suspends a Job's pod; a long enough grace period to see the warning come first.
+    let (node, pool, op) = setup(cluster, &scope, &client, json!({ "gracePeriod": "5s" })).await?;
+    let ns = scope.namespace();
+    let pod = running_job_pod(&client, &scope, "train", &node).await?;
+    let pod_name = pod.name_any();
+    report_gpus(&client, &node, &[(&pod, Seen::Idle)]).await?;
+
+    // Warned first, and the Job is told too; it is not suspended before the deadline.
+    let warned_pod = wait_warned(&client, ns, &pod_name)
+        .await
+        .with_context(|| op.log_tail())?;
+    let at: Timestamp = warned_pod.annotations()[RECLAIM_AT_ANNOTATION].parse()?;
+    let suspended_early = job_suspended(&client, ns, "train").await?;
+    ensure(!suspended_early || Timestamp::now() >= at, || {
+        format!("the Job was suspended before the announced {at}")
+    })?;
+    wait::poll("IdleGPU Event on the Job", REACT, POLL, || async {
+        Ok(events_for(&client, ns, "train")
+            .await?
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("IdleGPU")))
+    })
+    .await?;
+
+    // At the deadline: the Job suspended, not the pod evicted; the Job controller then
+    // removes its pod.
+    wait::poll("Job suspended", REACT, POLL, || async {
+        Ok(job_suspended(&client, ns, "train").await?.then_some(()))
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    let record = wait_history(&client, &pool, "Suspend in history", |r| {
+        r.pod == format!("{ns}/{pod_name}")
+    })
+    .await?;
+    assert_eq!(record.action, "Suspend", "{record:?}");
+    assert_eq!(record.result, "Succeeded", "{record:?}");
+    assert_eq!(record.owner.as_deref(), Some("Job/train"), "{record:?}");
+    assert!(
+        record.time.0 >= at,
+        "acted at {} before the announced {at}",
+        record.time.0
+    );
+    wait::poll("the Job's pod removed", REACT, POLL, || async {
+        Ok(pod_now(&client, ns, &pod_name)
+            .await?
+            .is_none()
+            .then_some(()))
+    })
+    .await?;
+
+    let event = wait::poll("Reclaimed Event on the pod", REACT, POLL, || async {
+        Ok(events_for(&client, ns, &pod_name)
+            .await?
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("Reclaimed")))
+    })
+    .await?;
+    let note = event.note.unwrap_or_default();
+    assert!(note.contains("suspended Job train"), "{note}");
+    let metrics = op.metrics().await?;
+    let line = format!(
+        "gpupool_reclaims_total{{pool=\"{pool}\",action=\"Suspend\",result=\"Succeeded\"}} 1"
+    );
+    assert!(
+        metrics.lines().any(|l| l == line),
+        "no {line:?} in\n{metrics}"
+    );
+    // Once: a suspended Job is not suspended again, and nothing was evicted.
+    let p = wait_pool(&client, &pool, "reclaimed counted", |p| {
+        p.status.as_ref().is_some_and(|s| s.reclaim.reclaimed == 1)
+    })
+    .await?;
+    let h = p.status.map(|s| s.reclaim.history).unwrap_or_default();
+    assert_eq!(h.len(), 1, "{h:?}");
+    delete_pool(&client, &pool).await?;
     Ok(())
 }
