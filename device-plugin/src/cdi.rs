@@ -5,6 +5,12 @@
 //! host, [`cdi_spec`] is pure (inventory + host files in, spec out), [`write_spec`] writes.
 //! Spec types, version rules and validation come from the `container-device-interface` crate.
 //!
+//! The driver's libraries are found through the driver root's `etc/ld.so.cache` (see
+//! [`ldcache`]): the entries for this host's architecture whose names are driver libraries, each
+//! resolved inside the root and kept when the file it leads to is `<stem>.so.<driver version>`.
+//! When the cache is missing, unreadable, or names no library of this driver version, the known
+//! library directories are scanned instead; [`HostFiles::library_source`] says which was used.
+//!
 //! Security rules (from the container toolkit's CVE-2024-0132, CVE-2025-23266 and
 //! CVE-2025-23267): nothing is read from a container image; every host path is canonical and
 //! inside the driver root (device nodes: inside its `dev/`); a symlink whose target leaves the
@@ -24,6 +30,10 @@ use sha2::{Digest, Sha256};
 use crate::inventory::Inventory;
 use crate::plugin::CdiKind;
 
+pub mod ldcache;
+
+use ldcache::{CacheFlags, LdCache};
+
 /// File name of the spec gpupool writes.
 pub const SPEC_FILE_NAME: &str = "gpupool-nvidia.yaml";
 
@@ -38,7 +48,8 @@ pub const CONTROL_NODES: [&str; 4] = [
     "/dev/nvidia-modeset",
 ];
 
-/// Directories (relative to the driver root) scanned for the driver's user-space libraries.
+/// Directories (relative to the driver root) scanned for the driver's user-space libraries when
+/// the ld.so.cache cannot be used.
 const LIBRARY_DIRS: [&str; 7] = [
     "usr/lib/x86_64-linux-gnu",
     "lib/x86_64-linux-gnu",
@@ -227,6 +238,64 @@ pub struct HostFiles {
     pub mounts: Vec<MountEdit>,
     /// Paths left out because they resolve outside the driver root.
     pub rejected: Vec<String>,
+    /// Where the libraries among `mounts` were found.
+    pub library_source: LibrarySource,
+}
+
+/// Where the driver's user-space libraries were found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum LibrarySource {
+    /// Not looked up (host files made by hand).
+    #[default]
+    NotLookedUp,
+    /// The driver root's `etc/ld.so.cache`.
+    LdCache,
+    /// The scan of the known library directories, and why the cache was not used.
+    DirectoryScan(ScanReason),
+}
+
+/// Why the library directories were scanned instead of using the ld.so.cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScanReason {
+    /// The driver root has no `etc/ld.so.cache`.
+    CacheMissing,
+    /// The cache is a symlink that leads outside the driver root.
+    CacheOutsideRoot,
+    /// The cache could not be read or parsed.
+    CacheUnreadable(String),
+    /// No ld.so.cache flags are known for this agent's architecture.
+    UnknownArchitecture,
+    /// The cache names no library file of this driver version (ldconfig not run since the
+    /// driver was installed, or the driver is not in the linker's path).
+    NoDriverLibraries,
+}
+
+impl std::fmt::Display for LibrarySource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LibrarySource::NotLookedUp => f.write_str("not looked up"),
+            LibrarySource::LdCache => f.write_str("ld.so.cache"),
+            LibrarySource::DirectoryScan(reason) => write!(f, "directory scan ({reason})"),
+        }
+    }
+}
+
+impl std::fmt::Display for ScanReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ScanReason::CacheMissing => f.write_str("no ld.so.cache under the driver root"),
+            ScanReason::CacheOutsideRoot => {
+                f.write_str("ld.so.cache resolves outside the driver root")
+            }
+            ScanReason::CacheUnreadable(why) => write!(f, "ld.so.cache unusable: {why}"),
+            ScanReason::UnknownArchitecture => {
+                f.write_str("no ld.so.cache flags known for this architecture")
+            }
+            ScanReason::NoDriverLibraries => {
+                f.write_str("ld.so.cache names no library of this driver version")
+            }
+        }
+    }
 }
 
 /// Checks a driver version before it is used in file names: dot-separated numbers.
@@ -267,10 +336,7 @@ fn resolve(root: &Path, rel: &str, within: &Path) -> Resolved {
     }
 }
 
-fn is_driver_library(name: &str, version: &str) -> bool {
-    let Some(stem) = name.strip_suffix(&format!(".so.{version}")) else {
-        return false;
-    };
+fn is_driver_stem(stem: &str) -> bool {
     LIBRARY_STEMS.iter().any(|s| {
         if s.ends_with('-') {
             stem.starts_with(s)
@@ -280,13 +346,54 @@ fn is_driver_library(name: &str, version: &str) -> bool {
     })
 }
 
+/// A driver library file of this driver version: `<stem>.so.<version>`.
+fn is_driver_library(name: &str, version: &str) -> bool {
+    name.strip_suffix(&format!(".so.{version}"))
+        .is_some_and(is_driver_stem)
+}
+
+/// A name a driver library may be asked for, of any version: `<stem>.so` or `<stem>.so.<…>`.
+fn is_driver_library_name(name: &str) -> bool {
+    name.split_once(".so").is_some_and(|(stem, rest)| {
+        (rest.is_empty() || rest.starts_with('.')) && is_driver_stem(stem)
+    })
+}
+
+fn reject(files: &mut HostFiles, path: &str, why: &str) {
+    tracing::warn!(
+        path,
+        why,
+        "left out of the CDI spec: resolves outside the driver root"
+    );
+    if !files.rejected.iter().any(|r| r == path) {
+        files.rejected.push(path.to_owned());
+    }
+}
+
 /// Finds the driver's files under `driver_root`: the device nodes in `wanted_nodes` (container
-/// paths under `/dev`), user-space libraries `*.so.<driver_version>`, binaries, GSP firmware and
-/// IPC sockets. Only canonical paths inside the root are returned.
+/// paths under `/dev`), user-space libraries `*.so.<driver_version>` (from the root's
+/// ld.so.cache, else from a scan of the library directories), binaries, GSP firmware and IPC
+/// sockets. Only canonical paths inside the root are returned.
 pub fn discover_host_files(
     driver_root: &Path,
     driver_version: &str,
     wanted_nodes: &[String],
+) -> Result<HostFiles, CdiError> {
+    discover_host_files_for_arch(
+        driver_root,
+        driver_version,
+        wanted_nodes,
+        CacheFlags::host(),
+    )
+}
+
+/// [`discover_host_files`] taking from the ld.so.cache only the libraries whose flags are
+/// `arch` (`None`: the cache is not used).
+pub fn discover_host_files_for_arch(
+    driver_root: &Path,
+    driver_version: &str,
+    wanted_nodes: &[String],
+    arch: Option<CacheFlags>,
 ) -> Result<HostFiles, CdiError> {
     check_driver_version(driver_version)?;
     let root = fs::canonicalize(driver_root).map_err(|source| CdiError::DriverRoot {
@@ -295,10 +402,6 @@ pub fn discover_host_files(
     })?;
     let dev = root.join("dev");
     let mut files = HostFiles::default();
-    let reject = |files: &mut HostFiles, rel: &str, real: &Path| {
-        tracing::warn!(path = rel, target = %real.display(), "left out of the CDI spec: resolves outside the driver root");
-        files.rejected.push(rel.to_owned());
-    };
 
     for node in wanted_nodes {
         if !node.starts_with("/dev/") || node.contains("..") {
@@ -310,7 +413,7 @@ pub fn discover_host_files(
                     .nodes
                     .insert(node.clone(), real.to_string_lossy().into_owned());
             }
-            Resolved::Outside(real) => reject(&mut files, node, &real),
+            Resolved::Outside(real) => reject(&mut files, node, &real.to_string_lossy()),
             Resolved::Missing => {}
         }
     }
@@ -320,22 +423,11 @@ pub fn discover_host_files(
         Resolved::Inside(real) if real.is_file() || is_socket(&real) => {
             mounts.insert(format!("/{rel}"), real.to_string_lossy().into_owned());
         }
-        Resolved::Outside(real) => reject(files, &rel, &real),
+        Resolved::Outside(real) => reject(files, &rel, &real.to_string_lossy()),
         _ => {}
     };
-    for dir in LIBRARY_DIRS {
-        let Ok(entries) = fs::read_dir(root.join(dir)) else {
-            continue;
-        };
-        let mut names: Vec<String> = entries
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| is_driver_library(n, driver_version))
-            .collect();
-        names.sort();
-        for name in names {
-            add(&mut files, format!("{dir}/{name}"));
-        }
+    for rel in find_libraries(&root, driver_version, arch, &mut files) {
+        add(&mut files, rel);
     }
     for bin in BINARIES {
         add(&mut files, bin.to_owned());
@@ -363,6 +455,130 @@ pub fn discover_host_files(
         })
         .collect();
     Ok(files)
+}
+
+/// The driver libraries to mount, as paths relative to the canonical `root`: from the
+/// ld.so.cache when it can be used, else from the directory scan. Sets `files.library_source`.
+fn find_libraries(
+    root: &Path,
+    version: &str,
+    arch: Option<CacheFlags>,
+    files: &mut HostFiles,
+) -> Vec<String> {
+    let reason = match arch {
+        None => ScanReason::UnknownArchitecture,
+        Some(flags) => match libraries_from_ldcache(root, version, flags, files) {
+            Ok(libraries) => {
+                tracing::debug!(
+                    libraries = libraries.len(),
+                    "driver libraries found through ld.so.cache"
+                );
+                files.library_source = LibrarySource::LdCache;
+                return libraries;
+            }
+            Err(reason) => reason,
+        },
+    };
+    match &reason {
+        ScanReason::CacheOutsideRoot | ScanReason::CacheUnreadable(_) => {
+            tracing::warn!(reason = %reason, "scanning library directories instead of ld.so.cache");
+        }
+        _ => tracing::debug!(reason = %reason, "scanning library directories"),
+    }
+    files.library_source = LibrarySource::DirectoryScan(reason);
+    scan_library_dirs(root, version)
+}
+
+/// The library files of this driver version that the root's ld.so.cache leads to, for
+/// libraries of `flags`. Each entry's path is taken relative to the root; one that climbs out
+/// with `..` or resolves outside the root is rejected, one that leads to a file not named
+/// `<stem>.so.<version>` (another driver's) is skipped.
+fn libraries_from_ldcache(
+    root: &Path,
+    version: &str,
+    flags: CacheFlags,
+    files: &mut HostFiles,
+) -> Result<Vec<String>, ScanReason> {
+    let real = match resolve(root, ldcache::CACHE_PATH, root) {
+        Resolved::Missing => return Err(ScanReason::CacheMissing),
+        Resolved::Outside(real) => {
+            reject(files, ldcache::CACHE_PATH, &real.to_string_lossy());
+            return Err(ScanReason::CacheOutsideRoot);
+        }
+        Resolved::Inside(real) => real,
+    };
+    if !real.is_file() {
+        return Err(ScanReason::CacheUnreadable(format!(
+            "{} is not a regular file",
+            real.display()
+        )));
+    }
+    let cache = LdCache::read(&real).map_err(|e| ScanReason::CacheUnreadable(e.to_string()))?;
+    let mut libraries = BTreeSet::new();
+    for entry in cache.for_flags(flags) {
+        if !entry.name_str().is_some_and(is_driver_library_name) {
+            continue;
+        }
+        let shown = entry.path.to_string_lossy();
+        let Some(path) = entry
+            .path
+            .to_str()
+            .filter(|_| entry.path.is_absolute())
+            .filter(|_| {
+                !entry
+                    .path
+                    .components()
+                    .any(|c| matches!(c, std::path::Component::ParentDir))
+            })
+        else {
+            reject(
+                files,
+                &shown,
+                "ld.so.cache path not absolute, not UTF-8 or with '..'",
+            );
+            continue;
+        };
+        match resolve(root, path, root) {
+            Resolved::Inside(real) => {
+                let wanted = real
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| is_driver_library(n, version));
+                // `real` is inside `root` (checked by resolve), so the prefix always strips.
+                let rel = real.strip_prefix(root).ok().and_then(|r| r.to_str());
+                if let (true, Some(rel)) = (wanted && real.is_file(), rel) {
+                    libraries.insert(rel.to_owned());
+                }
+            }
+            Resolved::Outside(real) => reject(files, path, &real.to_string_lossy()),
+            // Listed but gone: a cache older than the last driver change.
+            Resolved::Missing => {}
+        }
+    }
+    if libraries.is_empty() {
+        Err(ScanReason::NoDriverLibraries)
+    } else {
+        Ok(libraries.into_iter().collect())
+    }
+}
+
+/// The library files of this driver version in the known library directories, as paths
+/// relative to `root`.
+fn scan_library_dirs(root: &Path, version: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for dir in LIBRARY_DIRS {
+        let Ok(entries) = fs::read_dir(root.join(dir)) else {
+            continue;
+        };
+        let mut names: Vec<String> = entries
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| is_driver_library(n, version))
+            .collect();
+        names.sort();
+        found.extend(names.into_iter().map(|name| format!("{dir}/{name}")));
+    }
+    found
 }
 
 fn is_socket(path: &Path) -> bool {
@@ -610,6 +826,8 @@ pub struct SpecOutcome {
     pub device_names: Vec<String>,
     /// Devices left out.
     pub skipped: Vec<String>,
+    /// Where the driver libraries in the spec were found.
+    pub library_source: LibrarySource,
 }
 
 /// Discovers host files, builds, validates and writes the spec.
@@ -627,10 +845,14 @@ pub fn generate_and_write(
     validate_spec(&generated.spec, &path)?;
     let content = render(&generated.spec)?;
     let written = write_spec(spec_dir, &content)?;
+    if written.changed {
+        tracing::info!(source = %host.library_source, "driver libraries for the CDI spec found");
+    }
     Ok(SpecOutcome {
         written,
         device_names: generated.device_names,
         skipped: generated.skipped,
+        library_source: host.library_source,
     })
 }
 
@@ -716,6 +938,22 @@ mod tests {
             ("libfoo.so.550.54.15", false),
         ] {
             assert_eq!(is_driver_library(name, v), ok, "{name}");
+        }
+    }
+
+    #[test]
+    fn driver_library_names_of_any_version() {
+        for (name, ok) in [
+            ("libcuda.so.1", true),
+            ("libcuda.so", true),
+            ("libnvidia-ml.so.1", true),
+            ("libnvidia-glcore.so.550.54.15", true),
+            ("libcudart.so.12", false),
+            ("libcuda.sox", false),
+            ("libc.so.6", false),
+            ("libnvidia", false),
+        ] {
+            assert_eq!(is_driver_library_name(name), ok, "{name}");
         }
     }
 

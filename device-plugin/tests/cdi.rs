@@ -1,5 +1,6 @@
 //! The CDI spec writer against fake driver roots: golden files per fixture, validation and
-//! resolution with the CDI crate, symlink safety, atomic writes.
+//! resolution with the CDI crate, symlink safety, atomic writes, and library discovery through
+//! an ld.so.cache written here (new and compatible layouts) with its fallback to the scan.
 //!
 //! Regenerate the golden files with `GPUPOOL_UPDATE_GOLDEN=1 cargo test -p gpupool-device-plugin --test cdi`.
 
@@ -14,7 +15,10 @@ use container_device_interface::spec_dirs::with_spec_dirs;
 use gpupool_crds::node::GpuMigSpec;
 use gpupool_crds::policy::{CdiDeviceNameStrategy, CdiPolicy};
 use gpupool_device_plugin::backend::{GpuBackend, ManualClock, SimBackend};
-use gpupool_device_plugin::cdi::{self, CdiOptions, HostFiles, MountEdit};
+use gpupool_device_plugin::cdi::ldcache::{CacheFlags, LdCache};
+use gpupool_device_plugin::cdi::{
+    self, CdiOptions, HostFiles, LibrarySource, MountEdit, ScanReason,
+};
 use gpupool_device_plugin::inventory::Inventory;
 use gpupool_device_plugin::mig;
 
@@ -305,7 +309,7 @@ fn lowest_cdi_version_the_content_needs() {
             host_path: "/usr/bin/nvidia-smi".into(),
             container_path: "/usr/bin/nvidia-smi".into(),
         }],
-        rejected: vec![],
+        ..HostFiles::default()
     };
     let uuid_only = CdiOptions {
         naming: vec![CdiDeviceNameStrategy::Uuid],
@@ -330,4 +334,501 @@ fn invalid_kind_is_rejected() {
         ..CdiPolicy::default()
     };
     assert!(CdiOptions::from_policy(&policy).is_err());
+}
+
+/// Serialises `(flags, name, path)` entries as ldconfig lays out an ld.so.cache: the new layout
+/// alone, or (`compat`) after an old-format header and table, at the next 8-byte boundary.
+fn ld_so_cache(entries: &[(CacheFlags, &str, &str)], compat: bool) -> Vec<u8> {
+    const HEADER: usize = 48;
+    const ENTRY: usize = 24;
+    let table_end = HEADER + ENTRY * entries.len();
+    // String offsets count from the start of the new header.
+    let mut strings = Vec::new();
+    let mut offsets = Vec::new();
+    for (_, name, path) in entries {
+        let key = table_end + strings.len();
+        strings.extend_from_slice(name.as_bytes());
+        strings.push(0);
+        let value = table_end + strings.len();
+        strings.extend_from_slice(path.as_bytes());
+        strings.push(0);
+        offsets.push((key as u32, value as u32));
+    }
+    let mut new = b"glibc-ld.so.cache1.1".to_vec();
+    new.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    new.extend_from_slice(&(strings.len() as u32).to_le_bytes());
+    new.extend_from_slice(&[2, 0, 0, 0]); // little-endian, padding
+    new.extend_from_slice(&[0; 16]); // no extension, unused words
+    assert_eq!(new.len(), HEADER);
+    for ((flags, _, _), (key, value)) in entries.iter().zip(&offsets) {
+        new.extend_from_slice(&flags.0.to_le_bytes());
+        new.extend_from_slice(&key.to_le_bytes());
+        new.extend_from_slice(&value.to_le_bytes());
+        new.extend_from_slice(&0u32.to_le_bytes()); // osversion
+        new.extend_from_slice(&0u64.to_le_bytes()); // hwcap
+    }
+    new.extend_from_slice(&strings);
+    if !compat {
+        return new;
+    }
+    let mut old = b"ld.so-1.7.0\0".to_vec();
+    old.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    let old_end = 16 + 12 * entries.len();
+    let new_start = old_end.div_ceil(8) * 8;
+    // Old entries count from the end of the old table; they point into the same strings.
+    let shift = (new_start - old_end) as u32;
+    for ((flags, _, _), (key, value)) in entries.iter().zip(&offsets) {
+        old.extend_from_slice(&flags.0.to_le_bytes());
+        old.extend_from_slice(&(key + shift).to_le_bytes());
+        old.extend_from_slice(&(value + shift).to_le_bytes());
+    }
+    old.resize(new_start, 0);
+    old.extend_from_slice(&new);
+    old
+}
+
+const X86: CacheFlags = CacheFlags::X86_64_LIBC6;
+const ARM: CacheFlags = CacheFlags::AARCH64_LIBC6;
+const LIBS: &str = "usr/lib/x86_64-linux-gnu";
+
+fn write_file(root: &Path, rel: &str, content: &str) {
+    let path = root.join(rel);
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    fs::write(path, content).unwrap();
+}
+
+fn link(root: &Path, rel: &str, target: impl AsRef<Path>) {
+    let path = root.join(rel);
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    symlink(target, path).unwrap();
+}
+
+/// Container paths of the libraries among the mounts.
+fn libraries(host: &HostFiles) -> Vec<&str> {
+    host.mounts
+        .iter()
+        .map(|m| m.container_path.as_str())
+        .filter(|p| p.contains(".so."))
+        .collect()
+}
+
+/// A fake driver root with soname links as the driver installs them, a driver library in a
+/// directory only the cache knows, another driver's `libcuda` in a CUDA compat directory, an
+/// AArch64 library and the C library; returns the cache entries that describe it.
+fn root_for_cache(root: &Path, version: &str) -> Vec<(CacheFlags, String, String)> {
+    cdi::build_fake_driver_root(root, version, 1).unwrap();
+    for lib in ["libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler"] {
+        link(
+            root,
+            &format!("{LIBS}/{lib}.so.1"),
+            format!("{lib}.so.{version}"),
+        );
+    }
+    write_file(
+        root,
+        &format!("opt/nvidia/lib/libnvidia-cfg.so.{version}"),
+        "",
+    );
+    link(
+        root,
+        "opt/nvidia/lib/libnvidia-cfg.so.1",
+        format!("libnvidia-cfg.so.{version}"),
+    );
+    write_file(root, "usr/local/cuda/compat/libcuda.so.535.104.05", "");
+    link(
+        root,
+        "usr/local/cuda/compat/libcuda.so.1",
+        "libcuda.so.535.104.05",
+    );
+    write_file(
+        root,
+        &format!("usr/lib/aarch64-linux-gnu/libnvidia-ml.so.{version}"),
+        "",
+    );
+    write_file(root, "lib/x86_64-linux-gnu/libc.so.6", "");
+    [
+        (
+            X86,
+            "libcuda.so.1",
+            "/usr/local/cuda/compat/libcuda.so.1".to_owned(),
+        ),
+        (X86, "libcuda.so.1", format!("/{LIBS}/libcuda.so.1")),
+        (
+            X86,
+            "libnvidia-ml.so.1",
+            format!("/{LIBS}/libnvidia-ml.so.1"),
+        ),
+        // ldconfig also lists the file names that are their own soname.
+        (
+            X86,
+            "libnvidia-ml.so.1",
+            format!("/{LIBS}/libnvidia-ml.so.{version}"),
+        ),
+        (
+            X86,
+            "libnvidia-ptxjitcompiler.so.1",
+            format!("/{LIBS}/libnvidia-ptxjitcompiler.so.1"),
+        ),
+        (
+            X86,
+            "libnvidia-cfg.so.1",
+            "/opt/nvidia/lib/libnvidia-cfg.so.1".to_owned(),
+        ),
+        (
+            ARM,
+            "libnvidia-ml.so.1",
+            format!("/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.{version}"),
+        ),
+        (
+            X86,
+            "libc.so.6",
+            "/lib/x86_64-linux-gnu/libc.so.6".to_owned(),
+        ),
+        // Stale: removed since ldconfig last ran.
+        (
+            X86,
+            "libnvidia-gone.so.1",
+            format!("/{LIBS}/libnvidia-gone.so.1"),
+        ),
+    ]
+    .into_iter()
+    .map(|(f, n, p)| (f, n.to_owned(), p))
+    .collect()
+}
+
+fn borrowed(entries: &[(CacheFlags, String, String)]) -> Vec<(CacheFlags, &str, &str)> {
+    entries
+        .iter()
+        .map(|(f, n, p)| (*f, n.as_str(), p.as_str()))
+        .collect()
+}
+
+#[test]
+fn ldcache_gives_the_driver_libraries_of_this_version() {
+    let version = "550.54.15";
+    for compat in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("driver");
+        let entries = root_for_cache(&root, version);
+        let cache = ld_so_cache(&borrowed(&entries), compat);
+        write_file(&root, "etc/ld.so.cache", "");
+        fs::write(root.join("etc/ld.so.cache"), &cache).unwrap();
+
+        let host = cdi::discover_host_files_for_arch(&root, version, &[], Some(X86)).unwrap();
+        assert_eq!(
+            host.library_source,
+            LibrarySource::LdCache,
+            "compat {compat}"
+        );
+        // The versioned files the sonames lead to; not libnvidia-nvvm (present, but not in the
+        // cache), not the compat directory's libcuda of another driver, not the AArch64 copy.
+        assert_eq!(
+            libraries(&host),
+            [
+                format!("/opt/nvidia/lib/libnvidia-cfg.so.{version}"),
+                format!("/{LIBS}/libcuda.so.{version}"),
+                format!("/{LIBS}/libnvidia-ml.so.{version}"),
+                format!("/{LIBS}/libnvidia-ptxjitcompiler.so.{version}"),
+            ],
+            "compat {compat}: {host:?}"
+        );
+        assert!(host.rejected.is_empty(), "{:?}", host.rejected);
+        let root_canon = fs::canonicalize(&root).unwrap();
+        for m in &host.mounts {
+            assert!(Path::new(&m.host_path).starts_with(&root_canon), "{m:?}");
+        }
+        // Binaries and firmware come as before.
+        assert!(
+            host.mounts
+                .iter()
+                .any(|m| m.container_path == "/usr/bin/nvidia-smi")
+        );
+
+        // On an AArch64 host the same cache gives the AArch64 library only.
+        let arm = cdi::discover_host_files_for_arch(&root, version, &[], Some(ARM)).unwrap();
+        assert_eq!(arm.library_source, LibrarySource::LdCache);
+        assert_eq!(
+            libraries(&arm),
+            [format!(
+                "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.{version}"
+            )]
+        );
+    }
+}
+
+#[test]
+fn ldcache_paths_that_leave_the_driver_root_are_rejected() {
+    let version = "550.54.15";
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("driver");
+    let mut entries = root_for_cache(&root, version);
+    let outside = tmp.path().join("outside");
+    write_file(
+        &outside,
+        &format!("libnvidia-evil.so.{version}"),
+        "host file",
+    );
+    write_file(&outside, "passwd", "root:x:0:0");
+    // Climbs out with `..`, lexically.
+    entries.push((
+        X86,
+        "libnvidia-climb.so.1".into(),
+        "/../../etc/passwd".into(),
+    ));
+    entries.push((
+        X86,
+        "libnvidia-climb2.so.1".into(),
+        format!("/{LIBS}/../../../../outside/libnvidia-evil.so.{version}"),
+    ));
+    // A soname link inside the root whose target is outside.
+    link(
+        &root,
+        &format!("{LIBS}/libnvidia-evil.so.1"),
+        outside.join(format!("libnvidia-evil.so.{version}")),
+    );
+    entries.push((
+        X86,
+        "libnvidia-evil.so.1".into(),
+        format!("/{LIBS}/libnvidia-evil.so.1"),
+    ));
+    // Not absolute.
+    entries.push((
+        X86,
+        "libnvidia-rel.so.1".into(),
+        format!("{LIBS}/libcuda.so.1"),
+    ));
+    write_file(&root, "etc/ld.so.cache", "");
+    fs::write(
+        root.join("etc/ld.so.cache"),
+        ld_so_cache(&borrowed(&entries), false),
+    )
+    .unwrap();
+
+    let host = cdi::discover_host_files_for_arch(&root, version, &[], Some(X86)).unwrap();
+    assert_eq!(host.library_source, LibrarySource::LdCache);
+    let mut rejected = host.rejected.clone();
+    rejected.sort();
+    assert_eq!(
+        rejected,
+        [
+            "/../../etc/passwd".to_owned(),
+            format!("/{LIBS}/../../../../outside/libnvidia-evil.so.{version}"),
+            format!("/{LIBS}/libnvidia-evil.so.1"),
+            format!("{LIBS}/libcuda.so.1"),
+        ]
+    );
+    let outside_canon = fs::canonicalize(&outside).unwrap();
+    for m in &host.mounts {
+        assert!(
+            !Path::new(&m.host_path).starts_with(&outside_canon),
+            "{m:?}"
+        );
+        assert!(!m.container_path.contains("evil"), "{m:?}");
+    }
+    assert_eq!(libraries(&host).len(), 4, "{host:?}");
+
+    // The cache itself a link out of the root: not read; the scan is used.
+    fs::write(
+        outside.join("ld.so.cache"),
+        ld_so_cache(&borrowed(&entries), false),
+    )
+    .unwrap();
+    fs::remove_file(root.join("etc/ld.so.cache")).unwrap();
+    symlink(outside.join("ld.so.cache"), root.join("etc/ld.so.cache")).unwrap();
+    let host = cdi::discover_host_files_for_arch(&root, version, &[], Some(X86)).unwrap();
+    assert_eq!(
+        host.library_source,
+        LibrarySource::DirectoryScan(ScanReason::CacheOutsideRoot)
+    );
+    assert_eq!(host.rejected, ["etc/ld.so.cache"]);
+    assert!(
+        !libraries(&host).iter().any(|l| l.contains("libnvidia-cfg")),
+        "{host:?}"
+    );
+}
+
+#[test]
+fn every_truncation_and_corruption_of_a_cache_is_handled() {
+    let entries = [
+        (
+            X86,
+            "libcuda.so.1",
+            "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+        ),
+        (
+            ARM,
+            "libnvidia-ml.so.1",
+            "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1",
+        ),
+        (X86, "libc.so.6", "/lib/x86_64-linux-gnu/libc.so.6"),
+    ];
+    for compat in [false, true] {
+        let full = ld_so_cache(&entries, compat);
+        let cache = LdCache::parse(&full).unwrap();
+        assert_eq!(cache.entries.len(), 3);
+        assert_eq!(cache.for_flags(X86).count(), 2);
+        assert_eq!(
+            cache.entries[1].path,
+            Path::new("/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1")
+        );
+        // The last string ends the file, so every shorter prefix lacks a NUL or more.
+        for len in 0..full.len() {
+            assert!(
+                LdCache::parse(&full[..len]).is_err(),
+                "compat {compat}: {len} of {} bytes parsed",
+                full.len()
+            );
+        }
+        // Any single byte changed: an answer either way, never a panic.
+        for at in 0..full.len() {
+            for value in [0x00, 0xff, 0x7f, 0x80] {
+                let mut bad = full.clone();
+                bad[at] = value;
+                let _ = LdCache::parse(&bad);
+            }
+        }
+    }
+}
+
+#[test]
+fn without_a_usable_cache_the_directories_are_scanned() {
+    let version = "550.54.15";
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("driver");
+    let entries = root_for_cache(&root, version);
+    // The scan goes through every known directory, the AArch64 one included.
+    let scanned = [
+        format!("/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.{version}"),
+        format!("/{LIBS}/libcuda.so.{version}"),
+        format!("/{LIBS}/libnvidia-ml.so.{version}"),
+        format!("/{LIBS}/libnvidia-nvvm.so.{version}"),
+        format!("/{LIBS}/libnvidia-ptxjitcompiler.so.{version}"),
+    ];
+    let check = |reason: ScanReason| {
+        let host = cdi::discover_host_files_for_arch(&root, version, &[], Some(X86)).unwrap();
+        assert_eq!(host.library_source, LibrarySource::DirectoryScan(reason));
+        assert_eq!(libraries(&host), scanned, "{host:?}");
+        assert!(host.rejected.is_empty(), "{:?}", host.rejected);
+    };
+    check(ScanReason::CacheMissing);
+
+    // Unknown architecture: the cache is not consulted.
+    let host = cdi::discover_host_files_for_arch(&root, version, &[], None).unwrap();
+    assert_eq!(
+        host.library_source,
+        LibrarySource::DirectoryScan(ScanReason::UnknownArchitecture)
+    );
+
+    // Every truncation of a good cache: an unreadable cache, and the scan.
+    let cache = ld_so_cache(&borrowed(&entries), true);
+    let cache_path = root.join("etc/ld.so.cache");
+    fs::create_dir_all(cache_path.parent().unwrap()).unwrap();
+    for len in (0..cache.len()).step_by(7) {
+        fs::write(&cache_path, &cache[..len]).unwrap();
+        let host = cdi::discover_host_files_for_arch(&root, version, &[], Some(X86)).unwrap();
+        assert!(
+            matches!(
+                host.library_source,
+                LibrarySource::DirectoryScan(ScanReason::CacheUnreadable(_))
+            ),
+            "{len}: {:?}",
+            host.library_source
+        );
+        assert_eq!(libraries(&host), scanned);
+    }
+    fs::write(&cache_path, "not a cache at all").unwrap();
+    let host = cdi::discover_host_files_for_arch(&root, version, &[], Some(X86)).unwrap();
+    let LibrarySource::DirectoryScan(ScanReason::CacheUnreadable(why)) = &host.library_source
+    else {
+        panic!("{:?}", host.library_source);
+    };
+    assert!(why.contains("magic"), "{why}");
+
+    // A cache of another driver version (ldconfig not run since the upgrade).
+    fs::write(&cache_path, ld_so_cache(&borrowed(&entries), false)).unwrap();
+    let host = cdi::discover_host_files_for_arch(&root, "560.28.03", &[], Some(X86)).unwrap();
+    assert_eq!(
+        host.library_source,
+        LibrarySource::DirectoryScan(ScanReason::NoDriverLibraries)
+    );
+
+    // A directory where the cache should be.
+    fs::remove_file(&cache_path).unwrap();
+    fs::create_dir(&cache_path).unwrap();
+    let host = cdi::discover_host_files_for_arch(&root, version, &[], Some(X86)).unwrap();
+    assert!(matches!(
+        host.library_source,
+        LibrarySource::DirectoryScan(ScanReason::CacheUnreadable(_))
+    ));
+}
+
+/// On a driver root laid out as the scan expects, the cache finds the same files: the spec is
+/// the golden one either way.
+#[test]
+fn cache_and_scan_make_the_same_spec_on_a_plain_root() {
+    let backend = sim(&fixtures_dir().join("rtx4090.yaml"));
+    let inv = Inventory::read(&backend).unwrap();
+    let version = inv.driver.driver_version.clone();
+    let mut texts = Vec::new();
+    for with_cache in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("driver");
+        cdi::build_fake_driver_root(&root, &version, 1).unwrap();
+        if with_cache {
+            let libs = [
+                "libcuda",
+                "libnvidia-ml",
+                "libnvidia-ptxjitcompiler",
+                "libnvidia-nvvm",
+            ];
+            let entries: Vec<(CacheFlags, String, String)> = libs
+                .iter()
+                .map(|l| {
+                    link(
+                        &root,
+                        &format!("{LIBS}/{l}.so.1"),
+                        format!("{l}.so.{version}"),
+                    );
+                    (X86, format!("{l}.so.1"), format!("/{LIBS}/{l}.so.1"))
+                })
+                .chain([(
+                    X86,
+                    "libnvidia-ml.so.1".into(),
+                    format!("/{LIBS}/libnvidia-ml.so.1.0.0"),
+                )])
+                .collect();
+            write_file(&root, "etc/ld.so.cache", "");
+            fs::write(
+                root.join("etc/ld.so.cache"),
+                ld_so_cache(&borrowed(&entries), false),
+            )
+            .unwrap();
+        }
+        let spec_dir = tmp.path().join("cdi");
+        let arch = if with_cache { Some(X86) } else { None };
+        let host = cdi::discover_host_files_for_arch(&root, &version, &[], arch).unwrap();
+        let want = if with_cache {
+            LibrarySource::LdCache
+        } else {
+            LibrarySource::DirectoryScan(ScanReason::UnknownArchitecture)
+        };
+        assert_eq!(host.library_source, want);
+        // The whole path, on the host's own architecture.
+        if CacheFlags::host() == Some(X86) {
+            let outcome = cdi::generate_and_write(&inv, &root, &spec_dir, &options()).unwrap();
+            let want = if with_cache {
+                LibrarySource::LdCache
+            } else {
+                LibrarySource::DirectoryScan(ScanReason::CacheMissing)
+            };
+            assert_eq!(outcome.library_source, want);
+            let text = fs::read_to_string(&outcome.written.path).unwrap();
+            let canonical_root = fs::canonicalize(&root).unwrap();
+            texts.push(text.replace(&canonical_root.display().to_string(), "/DRIVER_ROOT"));
+        }
+    }
+    if let [scan, cache] = texts.as_slice() {
+        assert_eq!(scan, cache);
+        assert!(check_golden("rtx4090", cache));
+    }
 }
