@@ -1,6 +1,7 @@
 //! Per-test names and namespaces, so tests sharing a cluster never collide.
 
 use std::collections::BTreeSet;
+use std::path::PathBuf;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -48,6 +49,13 @@ impl TestScope {
     /// The unique prefix, e.g. `examples-1a2b3c`.
     pub fn prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// A short directory of this test's own, `<tmp>/gpupool-e2e/<unique part of the prefix>`,
+    /// for what holds unix sockets (a fake node's kubelet directory): a socket path must fit the
+    /// 108 bytes of `sun_path`, which a path under a deep checkout's `target/` can exceed.
+    pub fn socket_dir(&self) -> PathBuf {
+        short_dir(&self.prefix)
     }
 
     /// The test's namespace.
@@ -114,6 +122,11 @@ impl Drop for TestScope {
 
 /// `<test>-<6 hex digits>`, lowercase and short enough that `<prefix>-<name>`
 /// stays a valid DNS label for reasonable names.
+fn short_dir(prefix: &str) -> PathBuf {
+    let unique = prefix.rsplit('-').next().unwrap_or(prefix);
+    std::env::temp_dir().join("gpupool-e2e").join(unique)
+}
+
 fn unique_prefix(test: &str) -> Result<String> {
     static COUNTER: AtomicU32 = AtomicU32::new(0);
     let base: String = test
@@ -144,6 +157,17 @@ fn unique_prefix(test: &str) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn socket_dirs_leave_room_for_the_longest_plugin_socket() {
+        let prefix = unique_prefix("a test name long enough to be cut at thirty chars").unwrap();
+        let socket = short_dir(&prefix)
+            .join("kubelet/device-plugins")
+            .join("gpupool-nvidia.com-mig-4g.40gb+me.sock");
+        let len = socket.as_os_str().len();
+        assert!(len < 108, "{} is {len} bytes", socket.display());
+        assert!(short_dir(&prefix).ends_with(prefix.rsplit('-').next().unwrap()));
+    }
 
     #[test]
     fn prefixes_are_dns_labels_and_unique() {

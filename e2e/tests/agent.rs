@@ -87,7 +87,7 @@ struct NodeHost {
 
 impl NodeHost {
     fn new(scope: &TestScope, node: &str, fixture_yaml: &str, gpus: u32) -> Result<NodeHost> {
-        let dir = repo_root().join("target/e2e-agent").join(scope.prefix());
+        let dir = scope.socket_dir();
         let _ = fs::remove_dir_all(&dir);
         let host = NodeHost {
             node: node.to_owned(),

@@ -262,7 +262,7 @@ fn install(cluster: &'static Cluster, scope: &TestScope) -> Result<Release> {
 }
 
 fn work_dir(scope: &TestScope) -> PathBuf {
-    repo_root().join("target/e2e-rbac").join(scope.prefix())
+    scope.socket_dir()
 }
 
 #[tokio::test]
