@@ -80,7 +80,7 @@ pub struct PodContext<'a> {
     pub data_fresh: bool,
     /// Labels of the pod's namespace, when known.
     pub namespace_labels: Option<&'a BTreeMap<String, String>>,
-    /// Whether GPU pods that could run on the pool's nodes are pending.
+    /// Whether GPU pods that could run on the pool's nodes are pending ([`crate::demand`]).
     pub demand_pending: bool,
 }
 

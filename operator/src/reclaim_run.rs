@@ -12,7 +12,6 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, EvictParams, Patch, PatchParams, PostParams};
-use kube::core::{Selector, SelectorExt};
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
@@ -20,7 +19,7 @@ use serde_json::json;
 use tracing::{debug, info, warn};
 
 use crate::controller::{Context, FIELD_MANAGER, capped_backoff};
-use crate::drain::requests_gpu;
+use crate::demand::demand_pending;
 use crate::error::{Error, Result, api_code};
 use crate::reclaim::{
     self, ActionKind, DRY_RUN_ANNOTATION, Decision, PodContext, devices_by_pod, reclaim_decision,
@@ -32,30 +31,6 @@ fn node_ready(node: Option<&Arc<Node>>) -> bool {
         .and_then(|s| s.conditions.as_ref())
         .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
         .is_some_and(|c| c.status == "True")
-}
-
-/// Whether pending pods that want GPUs could land on one of these nodes (node selector only:
-/// affinity and taints are the scheduler's business, and over-counting demand only means an
-/// idle pod is reclaimed when it might not have had to be, which the policy allows anyway).
-pub fn demand_pending<'a>(pods: impl IntoIterator<Item = &'a Pod>, nodes: &[Arc<Node>]) -> bool {
-    pods.into_iter().any(|p| {
-        let pending = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending");
-        let unscheduled = p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none();
-        pending
-            && unscheduled
-            && p.metadata.deletion_timestamp.is_none()
-            && requests_gpu(p)
-            && nodes.iter().any(|n| {
-                let sel: Selector = p
-                    .spec
-                    .as_ref()
-                    .and_then(|s| s.node_selector.clone())
-                    .unwrap_or_default()
-                    .into_iter()
-                    .collect();
-                sel.matches(n.labels())
-            })
-    })
 }
 
 fn rfc3339(t: Timestamp) -> String {
