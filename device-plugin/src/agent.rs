@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -34,9 +34,9 @@ use crate::inventory::Inventory;
 use crate::metrics_http::{AgentMetrics, Figures, GpuFigures};
 use crate::mig::{self, MigController, Step};
 use crate::plugin::{
-    self, Advertisement, CdiKind, CdiNaming, DEFAULT_IGNORED_XIDS, GpuDescription, HealthEvent,
-    HealthEventKind, HealthMonitor, HealthPolicy, HealthProbe, HealthTarget, LinkKind,
-    MigDescription, PluginConfig, Topology,
+    self, Advertisement, CdiKind, CdiNaming, GpuDescription, HealthEvent, HealthEventKind,
+    HealthMonitor, HealthPolicy, HealthProbe, HealthTarget, LinkKind, MigDescription, PluginConfig,
+    Topology,
 };
 use crate::report::{self, FIELD_MANAGER};
 use crate::utilization::{self, IdleTracker};
@@ -57,6 +57,8 @@ pub struct AgentConfig {
     pub driver_root: Option<PathBuf>,
     /// Where `/proc` is (the kernel module check).
     pub proc_root: PathBuf,
+    /// The kernel log (`/dev/kmsg`), scanned for Xids logged since boot.
+    pub kmsg_path: PathBuf,
     /// How often driver checks re-run.
     pub validate_interval: Duration,
     /// Longest wait for GPUs to drain before a MIG change fails.
@@ -368,9 +370,7 @@ impl Agent {
                 Some(notice) = notices.recv() => {
                     if let Notice::Xid { gpu, xid } = notice {
                         *state.xid_counts.entry((gpu, xid)).or_default() += 1;
-                        if !DEFAULT_IGNORED_XIDS.contains(&xid) {
-                            state.fatal_xids.push((gpu, xid));
-                        }
+                        state.xid_ledger().record_event(gpu, xid);
                     }
                     state.next_validate = Instant::now();
                 }
@@ -430,7 +430,8 @@ struct LoopState {
     cdi: Option<CdiStatus>,
     samples: BTreeMap<String, utilization::DeviceSample>,
     xid_counts: BTreeMap<(u32, u64), u64>,
-    fatal_xids: Vec<(u32, u64)>,
+    /// Fatal Xids from NVML events and the kernel log (shared with the blocking scan task).
+    xids: Arc<Mutex<validate::XidLedger>>,
     last_written: Option<(String, GpuNodeStatus)>,
     last_labels: Option<BTreeMap<String, String>>,
     seen: Seen,
@@ -463,7 +464,9 @@ impl LoopState {
             cdi: None,
             samples: BTreeMap::new(),
             xid_counts: BTreeMap::new(),
-            fatal_xids: Vec::new(),
+            xids: Arc::new(Mutex::new(validate::XidLedger::new(
+                agent.config.kmsg_path.clone(),
+            ))),
             last_written: None,
             last_labels: None,
             seen: Seen::default(),
@@ -639,7 +642,7 @@ impl LoopState {
             self.next_validate = now;
         }
         if now >= self.next_validate {
-            self.validate(agent, gpunode).await;
+            self.validate(agent, gpunode, inv).await;
             self.next_validate = now + agent.config.validate_interval;
         }
         let interval: Duration = spec.utilization.sample_interval.into();
@@ -771,17 +774,54 @@ impl LoopState {
         }
     }
 
-    async fn validate(&mut self, agent: &Agent, gpunode: &GpuNode) {
+    /// The Xid ledger. Every holder finishes its update before it could panic, so a poisoned
+    /// ledger is whole.
+    fn xid_ledger(&self) -> MutexGuard<'_, validate::XidLedger> {
+        self.xids.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads the kernel log records that arrived since the last scan, keeping their fatal Xids.
+    async fn scan_kernel_log(&mut self) {
+        let ledger = self.xids.clone();
+        let scanned = tokio::task::spawn_blocking(move || {
+            let mut ledger = ledger.lock().unwrap_or_else(|p| p.into_inner());
+            let before = ledger.kernel_log().clone();
+            (before, ledger.scan_kernel_log())
+        })
+        .await;
+        match scanned {
+            Ok((_, Ok(0))) => {}
+            Ok((_, Ok(found))) => tracing::info!(xids = found, "Xid records in the kernel log"),
+            Ok((before, Err(e))) => {
+                // Warn once per distinct failure, not on every validation run.
+                if self.xid_ledger().kernel_log() != &before {
+                    tracing::warn!(error = %e, "kernel log not readable: only Xids since the agent started are counted");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "kernel log scan task failed"),
+        }
+    }
+
+    async fn validate(&mut self, agent: &Agent, gpunode: &GpuNode, inv: Option<&Inventory>) {
+        self.scan_kernel_log().await;
+        let gpus: Vec<(u32, String)> = inv
+            .map(|inv| {
+                inv.gpus
+                    .iter()
+                    .map(|g| (g.device.index, g.device.pci_bus_id.clone()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let xids = self.xid_ledger().observations(&gpus);
         let root = agent
             .config
             .driver_root
             .clone()
             .unwrap_or_else(|| PathBuf::from(&gpunode.spec.cdi.driver_root));
         let proc_root = agent.config.proc_root.clone();
-        let fatal = self.fatal_xids.clone();
         let obs = match &agent.backend {
             Ok(b) => blocking(b, move |b| {
-                validate::observe(Ok(b), &root, &proc_root, fatal)
+                validate::observe(Ok(b), &root, &proc_root, xids)
             })
             .await
             .unwrap_or_else(|| {
@@ -789,10 +829,10 @@ impl LoopState {
                     Err("validation task failed".into()),
                     &PathBuf::new(),
                     &PathBuf::new(),
-                    vec![],
+                    validate::XidObservations::default(),
                 )
             }),
-            Err(e) => validate::observe(Err(e.clone()), &root, &proc_root, fatal),
+            Err(e) => validate::observe(Err(e.clone()), &root, &proc_root, xids),
         };
         self.checks = validate::run_checks(&gpunode.spec.driver, &obs);
         let validated = report::validated(&self.checks);

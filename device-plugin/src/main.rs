@@ -11,6 +11,7 @@ use gpupool_device_plugin::agent::{Agent, AgentConfig};
 use gpupool_device_plugin::backend::{
     GpuBackend, NvmlBackend, NvmlOptions, SimBackend, SystemClock,
 };
+use gpupool_device_plugin::kmsg;
 use gpupool_device_plugin::metrics_http::{self, AgentMetrics};
 use tokio_util::sync::CancellationToken;
 
@@ -55,6 +56,10 @@ struct Cli {
     /// Where the host's `/proc` is mounted.
     #[arg(long, env = "GPUPOOL_PROC_ROOT", default_value = "/proc")]
     proc_root: PathBuf,
+    /// The kernel log, scanned (non-blocking) for NVIDIA Xid records since boot; when it cannot
+    /// be read, the XidErrors check counts only Xids since the agent started, and says so.
+    #[arg(long, env = "GPUPOOL_KMSG_PATH", default_value = kmsg::DEFAULT_KMSG_PATH)]
+    kmsg_path: PathBuf,
     /// Address of `/metrics`, `/healthz`, `/readyz`.
     #[arg(long, env = "GPUPOOL_METRICS_ADDR", default_value = "0.0.0.0:8080")]
     metrics_addr: SocketAddr,
@@ -152,6 +157,7 @@ async fn main() -> Result<()> {
         cdi_dir: cli.cdi_dir.clone(),
         driver_root: cli.driver_root.clone(),
         proc_root: cli.proc_root.clone(),
+        kmsg_path: cli.kmsg_path.clone(),
         validate_interval: Duration::from_secs(cli.validate_interval_secs.max(1)),
         drain_timeout: Duration::from_secs(cli.drain_timeout_secs),
         mig_step_delay: Duration::from_millis(cli.mig_step_delay_ms),

@@ -5,13 +5,15 @@
 //! the policy (pure, table-tested).
 
 use std::cmp::Ordering;
-use std::collections::BTreeMap;
-use std::path::Path;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
 
 use gpupool_crds::node::CheckResult;
 use gpupool_crds::policy::{DriverCheck, DriverPolicy};
 
 use crate::backend::{CudaVersion, DriverInfo, GpuBackend, HealthSnapshot};
+use crate::kmsg::{self, Attributed, KernelLog, KmsgError, PciAddress};
+use crate::plugin::DEFAULT_IGNORED_XIDS;
 
 /// The minimum Linux driver of each CUDA toolkit release (major, minor, driver), from the
 /// "CUDA Toolkit and Corresponding Driver Versions" table of NVIDIA's CUDA Toolkit release
@@ -60,6 +62,142 @@ pub fn compare_versions(a: &str, b: &str) -> Option<Ordering> {
     Some(a.cmp(&b))
 }
 
+/// Whether an Xid fails the `XidErrors` check: every Xid but those the health monitor ignores
+/// as the application's fault ([`DEFAULT_IGNORED_XIDS`]).
+pub fn is_fatal_xid(xid: u64) -> bool {
+    !DEFAULT_IGNORED_XIDS.contains(&xid)
+}
+
+/// Whether the kernel log was read for Xids.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum KernelLogRead {
+    /// No kernel log was scanned.
+    #[default]
+    NotScanned,
+    /// Read from this path: Xids since boot count (as far back as the ring buffer holds).
+    Read(PathBuf),
+    /// This path could not be read: only Xids since the agent started count.
+    Unreadable {
+        /// The kernel log path.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The fatal Xids the `XidErrors` check judges.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct XidObservations {
+    /// (GPU, Xid), sorted and without repeats: NVML events since the agent started and kernel
+    /// log records since boot.
+    pub fatal: Vec<(u32, u64)>,
+    /// (address, Xid) the kernel logged where no enumerated GPU is.
+    pub unattributed: Vec<(PciAddress, u64)>,
+    /// Whether the kernel log was read.
+    pub kernel_log: KernelLogRead,
+}
+
+impl XidObservations {
+    /// Combines the Xids of NVML events (`(GPU, Xid)`) with those of the kernel log, keeping
+    /// the fatal ones, each once: an Xid after the agent started shows in both.
+    pub fn combine(
+        events: &[(u32, u64)],
+        kernel: &Attributed,
+        kernel_log: KernelLogRead,
+    ) -> XidObservations {
+        let mut fatal: Vec<(u32, u64)> = events
+            .iter()
+            .chain(&kernel.on_gpus)
+            .copied()
+            .filter(|(_, xid)| is_fatal_xid(*xid))
+            .collect();
+        fatal.sort_unstable();
+        fatal.dedup();
+        let mut unattributed: Vec<(PciAddress, u64)> = kernel
+            .elsewhere
+            .iter()
+            .copied()
+            .filter(|(_, xid)| is_fatal_xid(*xid))
+            .collect();
+        unattributed.sort_unstable();
+        unattributed.dedup();
+        XidObservations {
+            fatal,
+            unattributed,
+            kernel_log,
+        }
+    }
+}
+
+/// The fatal Xids the agent has seen, from NVML events and from the kernel log: what the
+/// `XidErrors` check judges. Each (GPU, Xid) and (address, Xid) is kept once.
+#[derive(Debug)]
+pub struct XidLedger {
+    events: BTreeSet<(u32, u64)>,
+    kernel: BTreeSet<(PciAddress, u64)>,
+    log: KernelLog,
+    kernel_log: KernelLogRead,
+}
+
+impl XidLedger {
+    /// A ledger that scans the kernel log at `kmsg_path`.
+    pub fn new(kmsg_path: impl Into<PathBuf>) -> XidLedger {
+        XidLedger {
+            events: BTreeSet::new(),
+            kernel: BTreeSet::new(),
+            log: KernelLog::new(kmsg_path),
+            kernel_log: KernelLogRead::NotScanned,
+        }
+    }
+
+    /// Records the Xid of an NVML event; one that is not fatal is left out.
+    pub fn record_event(&mut self, gpu: u32, xid: u64) {
+        if is_fatal_xid(xid) {
+            self.events.insert((gpu, xid));
+        }
+    }
+
+    /// Reads the kernel log records that arrived since the last scan (all of them, the first
+    /// time) and keeps their fatal Xids. Returns how many Xid records it found. Reads never
+    /// wait (the log is opened non-blocking), but this is file I/O: async callers use
+    /// `spawn_blocking`.
+    pub fn scan_kernel_log(&mut self) -> Result<usize, KmsgError> {
+        let path = self.log.path().to_path_buf();
+        match self.log.scan() {
+            Ok(found) => {
+                self.kernel.extend(
+                    found
+                        .iter()
+                        .filter(|x| is_fatal_xid(x.xid))
+                        .map(|x| (x.pci, x.xid)),
+                );
+                self.kernel_log = KernelLogRead::Read(path);
+                Ok(found.len())
+            }
+            Err(e) => {
+                self.kernel_log = KernelLogRead::Unreadable {
+                    path,
+                    reason: e.io_error().to_string(),
+                };
+                Err(e)
+            }
+        }
+    }
+
+    /// How the last kernel-log scan went.
+    pub fn kernel_log(&self) -> &KernelLogRead {
+        &self.kernel_log
+    }
+
+    /// The Xids for the check, kernel-log ones attributed to GPUs by bus ID (`(index, bus ID)`
+    /// of each GPU the backend enumerates).
+    pub fn observations(&self, gpus: &[(u32, String)]) -> XidObservations {
+        let events: Vec<(u32, u64)> = self.events.iter().copied().collect();
+        let kernel = kmsg::attribute(self.kernel.iter().copied(), gpus);
+        XidObservations::combine(&events, &kernel, self.kernel_log.clone())
+    }
+}
+
 /// Everything the checks look at.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Observations {
@@ -71,8 +209,8 @@ pub struct Observations {
     pub missing_device_nodes: Vec<String>,
     /// Health counters per GPU index (or why they could not be read).
     pub health: BTreeMap<u32, Result<HealthSnapshot, String>>,
-    /// Fatal Xids seen since the agent started, per GPU: (GPU, Xid).
-    pub fatal_xids: Vec<(u32, u64)>,
+    /// Fatal Xids.
+    pub xids: XidObservations,
     /// Persistence mode per GPU index: on, off, or why it could not be read.
     pub persistence: BTreeMap<u32, Result<bool, String>>,
 }
@@ -256,24 +394,44 @@ pub fn run_checks(policy: &DriverPolicy, obs: &Observations) -> Vec<CheckResult>
                     )
                 });
             }
-            DriverCheck::XidErrors => out.push(if obs.fatal_xids.is_empty() {
-                check("XidErrors", true, "no fatal Xid errors seen")
-            } else {
-                let list: Vec<String> = obs
-                    .fatal_xids
-                    .iter()
-                    .map(|(g, x)| format!("GPU {g}: Xid {x}"))
-                    .collect();
-                check(
-                    "XidErrors",
-                    false,
-                    format!("fatal Xid errors: {}", list.join("; ")),
-                )
-            }),
+            DriverCheck::XidErrors => out.push(xid_check(&obs.xids)),
             DriverCheck::PersistenceMode => out.push(persistence_check(&obs.persistence)),
         }
     }
     out
+}
+
+fn xid_check(xids: &XidObservations) -> CheckResult {
+    let scope = match &xids.kernel_log {
+        KernelLogRead::Read(path) => {
+            format!("since boot (kernel log {}, NVML events)", path.display())
+        }
+        KernelLogRead::Unreadable { path, reason } => format!(
+            "since the agent started; kernel log not readable at {} ({reason}): only Xids since \
+             agent start are counted",
+            path.display()
+        ),
+        KernelLogRead::NotScanned => "since the agent started (kernel log not scanned)".to_owned(),
+    };
+    let list: Vec<String> = xids
+        .fatal
+        .iter()
+        .map(|(g, x)| format!("GPU {g}: Xid {x}"))
+        .chain(
+            xids.unattributed
+                .iter()
+                .map(|(pci, x)| format!("PCI {pci} (no GPU enumerated there): Xid {x}")),
+        )
+        .collect();
+    if list.is_empty() {
+        check("XidErrors", true, format!("no fatal Xid errors {scope}"))
+    } else {
+        check(
+            "XidErrors",
+            false,
+            format!("fatal Xid errors {scope}: {}", list.join("; ")),
+        )
+    }
 }
 
 fn persistence_check(persistence: &BTreeMap<u32, Result<bool, String>>) -> CheckResult {
@@ -324,7 +482,7 @@ pub fn observe(
     backend: Result<&dyn GpuBackend, String>,
     driver_root: &Path,
     proc_root: &Path,
-    fatal_xids: Vec<(u32, u64)>,
+    xids: XidObservations,
 ) -> Observations {
     let kernel_module = std::fs::read_to_string(proc_root.join("driver/nvidia/version"))
         .ok()
@@ -360,7 +518,7 @@ pub fn observe(
         kernel_module,
         missing_device_nodes: missing,
         health,
-        fatal_xids,
+        xids,
         persistence,
     }
 }
@@ -392,7 +550,7 @@ mod tests {
             )]
             .into_iter()
             .collect(),
-            fatal_xids: vec![],
+            xids: XidObservations::default(),
             persistence: [(0, Ok(true))].into_iter().collect(),
         }
     }
@@ -499,7 +657,11 @@ mod tests {
                 },
                 "GPU 2: 100",
             ),
-            ("XidErrors", |o| o.fatal_xids = vec![(0, 79)], "Xid 79"),
+            (
+                "XidErrors",
+                |o| o.xids.fatal = vec![(0, 79)],
+                "GPU 0: Xid 79",
+            ),
             (
                 "PersistenceMode",
                 |o| {
@@ -594,7 +756,7 @@ mod tests {
         .unwrap();
         let sim = SimBackend::new(fixture, Arc::new(ManualClock::new())).unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let obs = observe(Ok(&sim), dir.path(), dir.path(), vec![]);
+        let obs = observe(Ok(&sim), dir.path(), dir.path(), XidObservations::default());
         assert_eq!(
             obs.persistence,
             [(0, Ok(true)), (1, Ok(true)), (2, Ok(false))]
@@ -605,6 +767,185 @@ mod tests {
         let c = find(&checks, "PersistenceMode");
         assert!(!c.passed);
         assert!(c.message.contains("off on GPU 2:"), "{}", c.message);
+    }
+
+    #[test]
+    fn xid_check_counts_the_kernel_log_and_says_when_it_cannot() {
+        let pci = |s: &str| s.parse::<PciAddress>().unwrap();
+        let only_xids = |xids: XidObservations| {
+            let p = DriverPolicy {
+                checks: vec![DriverCheck::XidErrors],
+                ..DriverPolicy::default()
+            };
+            let obs = Observations { xids, ..good() };
+            let checks = run_checks(&p, &obs);
+            assert_eq!(checks.len(), 1, "{checks:?}");
+            checks[0].clone()
+        };
+        let kmsg = || KernelLogRead::Read(PathBuf::from("/dev/kmsg"));
+        let unreadable = || KernelLogRead::Unreadable {
+            path: PathBuf::from("/dev/kmsg"),
+            reason: "Permission denied (os error 13)".to_owned(),
+        };
+
+        // Kernel-log Xids join the event ones; ignored Xids (13, 31, 45) and repeats drop out.
+        let kernel = Attributed {
+            on_gpus: vec![(1, 79), (0, 13), (1, 79)],
+            elsewhere: vec![(pci("0000:b1:00"), 48), (pci("0000:b1:00"), 31)],
+        };
+        let xids = XidObservations::combine(&[(1, 79), (2, 94), (3, 45)], &kernel, kmsg());
+        assert_eq!(xids.fatal, vec![(1, 79), (2, 94)]);
+        assert_eq!(xids.unattributed, vec![(pci("0000:b1:00"), 48)]);
+        let c = only_xids(xids);
+        assert!(!c.passed);
+        assert_eq!(
+            c.message,
+            "fatal Xid errors since boot (kernel log /dev/kmsg, NVML events): GPU 1: Xid 79; \
+             GPU 2: Xid 94; PCI 0000:b1:00 (no GPU enumerated there): Xid 48"
+        );
+
+        // Only the kernel log saw it (before the agent started): still a failure.
+        let before_start = Attributed {
+            on_gpus: vec![(0, 79)],
+            ..Attributed::default()
+        };
+        let c = only_xids(XidObservations::combine(&[], &before_start, kmsg()));
+        assert!(!c.passed && c.message.ends_with("GPU 0: Xid 79"), "{c:?}");
+
+        let c = only_xids(XidObservations::combine(
+            &[],
+            &Attributed::default(),
+            kmsg(),
+        ));
+        assert!(c.passed);
+        assert_eq!(
+            c.message,
+            "no fatal Xid errors since boot (kernel log /dev/kmsg, NVML events)"
+        );
+
+        // An unreadable kernel log is said, not failed.
+        let c = only_xids(XidObservations::combine(
+            &[],
+            &Attributed::default(),
+            unreadable(),
+        ));
+        assert!(c.passed, "{c:?}");
+        assert!(
+            c.message.contains(
+                "kernel log not readable at /dev/kmsg (Permission denied (os error 13)): \
+                 only Xids since agent start are counted"
+            ),
+            "{}",
+            c.message
+        );
+        let c = only_xids(XidObservations::combine(
+            &[(4, 48)],
+            &Attributed::default(),
+            unreadable(),
+        ));
+        assert!(!c.passed);
+        assert!(
+            c.message.contains("not readable") && c.message.ends_with("GPU 4: Xid 48"),
+            "{}",
+            c.message
+        );
+    }
+
+    #[test]
+    fn ledger_reads_the_kernel_log_incrementally_and_joins_events() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kmsg");
+        std::fs::write(
+            &path,
+            "6,1,100,-;Linux version 6.8.0\n\
+             4,2,200,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus.\n \
+             SUBSYSTEM=pci\n\
+             4,3,300,-;NVRM: Xid (PCI:0000:18:00): 13, Graphics Exception\n\
+             4,4,400,-;NVRM: Xid (PCI:0000:18:00): 79, pid=1234\n",
+        )
+        .unwrap();
+        let gpus = vec![
+            (0, "00000000:18:00.0".to_owned()),
+            (1, "00000000:3B:00.0".to_owned()),
+        ];
+        let mut ledger = XidLedger::new(&path);
+        assert_eq!(ledger.kernel_log(), &KernelLogRead::NotScanned);
+        assert_eq!(ledger.scan_kernel_log().unwrap(), 3);
+        ledger.record_event(0, 79);
+        ledger.record_event(0, 13);
+        ledger.record_event(2, 48);
+        let obs = ledger.observations(&gpus);
+        assert_eq!(obs.fatal, vec![(0, 79), (1, 79), (2, 48)]);
+        assert!(obs.unattributed.is_empty());
+        assert_eq!(obs.kernel_log, KernelLogRead::Read(path.clone()));
+
+        // Only new records count again; one on a bus with no GPU is named by its address.
+        assert_eq!(ledger.scan_kernel_log().unwrap(), 0);
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        std::io::Write::write_all(&mut f, b"4,5,500,-;NVRM: Xid (PCI:0000:b1:00): 94, pid=1\n")
+            .unwrap();
+        assert_eq!(ledger.scan_kernel_log().unwrap(), 1);
+        let obs = ledger.observations(&gpus);
+        assert_eq!(obs.unattributed, vec![("0000:b1:00".parse().unwrap(), 94)]);
+        let p = DriverPolicy {
+            checks: vec![DriverCheck::XidErrors],
+            ..DriverPolicy::default()
+        };
+        let checks = run_checks(
+            &p,
+            &Observations {
+                xids: obs,
+                ..good()
+            },
+        );
+        assert!(!checks[0].passed);
+        assert!(
+            checks[0].message.ends_with(
+                "GPU 0: Xid 79; GPU 1: Xid 79; GPU 2: Xid 48; \
+                 PCI 0000:b1:00 (no GPU enumerated there): Xid 94"
+            ),
+            "{}",
+            checks[0].message
+        );
+    }
+
+    #[test]
+    fn ledger_with_an_unreadable_kernel_log_still_counts_events() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("no-kmsg");
+        let mut ledger = XidLedger::new(&path);
+        assert!(ledger.scan_kernel_log().is_err());
+        let obs = ledger.observations(&[]);
+        assert!(matches!(&obs.kernel_log, KernelLogRead::Unreadable { path: p, .. } if *p == path));
+        let checks = run_checks(
+            &DriverPolicy::default(),
+            &Observations {
+                xids: obs,
+                ..good()
+            },
+        );
+        let c = find(&checks, "XidErrors");
+        assert!(c.passed, "{c:?}");
+        assert!(
+            c.message
+                .contains(&format!("kernel log not readable at {}", path.display()))
+                && c.message
+                    .ends_with("only Xids since agent start are counted"),
+            "{}",
+            c.message
+        );
+        ledger.record_event(1, 79);
+        let c = run_checks(
+            &DriverPolicy::default(),
+            &Observations {
+                xids: ledger.observations(&[]),
+                ..good()
+            },
+        );
+        assert!(!find(&c, "XidErrors").passed);
     }
 
     #[test]

@@ -308,7 +308,12 @@ fn persistence_mode_off_on_one_gpu_fails_validation() {
         };
         let dir = tempfile::tempdir().unwrap();
         let judge = |t: &mut Vec<String>| {
-            let obs = validate::observe(Ok(b), dir.path(), dir.path(), vec![]);
+            let obs = validate::observe(
+                Ok(b),
+                dir.path(),
+                dir.path(),
+                validate::XidObservations::default(),
+            );
             let checks = validate::run_checks(&policy, &obs);
             t.push(format!("checks: {checks:?}"));
             assert_eq!(checks.len(), 1);
