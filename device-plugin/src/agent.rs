@@ -67,6 +67,18 @@ pub struct AgentConfig {
     pub mig_step_delay: Duration,
     /// Consecutive idle samples before a device counts as idle.
     pub idle_samples: u32,
+    /// How long a device stays Unhealthy after its fault was seen to clear.
+    pub health_hold_down: Duration,
+}
+
+impl AgentConfig {
+    /// The health monitor's policy: the defaults, with this config's recovery hold-down.
+    pub fn health_policy(&self) -> HealthPolicy {
+        HealthPolicy {
+            hold_down: self.health_hold_down,
+            ..HealthPolicy::default()
+        }
+    }
 }
 
 /// Errors that stop the agent.
@@ -333,8 +345,9 @@ impl Agent {
                 backend: backend.clone(),
                 mig_parents: state.mig_parents.clone(),
             };
-            let monitor = HealthMonitor::new(HealthPolicy::default(), self.metrics.plugin.clone())
-                .with_probe(Arc::new(probe));
+            let monitor =
+                HealthMonitor::new(self.config.health_policy(), self.metrics.plugin.clone())
+                    .with_probe(Arc::new(probe));
             let c = cancel.clone();
             tasks.spawn(async move {
                 monitor.run(layout_rx, events_rx, health_tx, c).await;

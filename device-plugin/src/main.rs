@@ -72,6 +72,15 @@ struct Cli {
     /// Consecutive idle samples before a device counts as idle.
     #[arg(long, env = "GPUPOOL_IDLE_SAMPLES", default_value_t = 2)]
     idle_samples: u32,
+    /// Seconds a device stays Unhealthy after its fault was seen to clear (a GPU reset, say)
+    /// before it is advertised again; a new fault meanwhile starts it over.
+    #[arg(
+        long,
+        env = "GPUPOOL_HEALTH_RECOVERY_HOLD_DOWN_SECS",
+        alias = "health-recovery-hold-down",
+        default_value_t = 300
+    )]
+    health_recovery_hold_down_secs: u64,
     /// Pause between MIG operations, in milliseconds (for tests that watch `Applying`).
     #[arg(
         long,
@@ -115,6 +124,27 @@ fn open_backend(cli: &Cli) -> Result<Arc<dyn GpuBackend>, String> {
     }
 }
 
+/// The agent's settings from the command line.
+fn agent_config(cli: &Cli) -> AgentConfig {
+    AgentConfig {
+        node_name: cli.node_name.clone(),
+        pod_resources_socket: cli
+            .pod_resources_socket
+            .clone()
+            .unwrap_or_else(|| cli.kubelet_dir.join("pod-resources/kubelet.sock")),
+        kubelet_dir: cli.kubelet_dir.clone(),
+        cdi_dir: cli.cdi_dir.clone(),
+        driver_root: cli.driver_root.clone(),
+        proc_root: cli.proc_root.clone(),
+        kmsg_path: cli.kmsg_path.clone(),
+        validate_interval: Duration::from_secs(cli.validate_interval_secs.max(1)),
+        drain_timeout: Duration::from_secs(cli.drain_timeout_secs),
+        mig_step_delay: Duration::from_millis(cli.mig_step_delay_ms),
+        idle_samples: cli.idle_samples,
+        health_hold_down: Duration::from_secs(cli.health_recovery_hold_down_secs),
+    }
+}
+
 async fn shutdown_signal(cancel: CancellationToken) {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -147,22 +177,7 @@ async fn main() -> Result<()> {
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API (KUBECONFIG or in-cluster config)")?;
-    let config = AgentConfig {
-        node_name: cli.node_name.clone(),
-        pod_resources_socket: cli
-            .pod_resources_socket
-            .clone()
-            .unwrap_or_else(|| cli.kubelet_dir.join("pod-resources/kubelet.sock")),
-        kubelet_dir: cli.kubelet_dir.clone(),
-        cdi_dir: cli.cdi_dir.clone(),
-        driver_root: cli.driver_root.clone(),
-        proc_root: cli.proc_root.clone(),
-        kmsg_path: cli.kmsg_path.clone(),
-        validate_interval: Duration::from_secs(cli.validate_interval_secs.max(1)),
-        drain_timeout: Duration::from_secs(cli.drain_timeout_secs),
-        mig_step_delay: Duration::from_millis(cli.mig_step_delay_ms),
-        idle_samples: cli.idle_samples,
-    };
+    let config = agent_config(&cli);
     let metrics = Arc::new(AgentMetrics::default());
     let cancel = CancellationToken::new();
     tokio::spawn(shutdown_signal(cancel.clone()));
@@ -180,4 +195,60 @@ async fn main() -> Result<()> {
         Ok(Ok(())) => {}
     }
     result.context("node agent")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Cli {
+        let argv = ["gpupool-device-plugin", "--node-name", "gpu-0"]
+            .iter()
+            .chain(args)
+            .copied();
+        Cli::try_parse_from(argv).unwrap()
+    }
+
+    #[test]
+    fn health_recovery_hold_down_reaches_the_health_policy() {
+        let default = agent_config(&parse(&[])).health_policy();
+        assert_eq!(default.hold_down, Duration::from_secs(300));
+        assert_eq!(default.recheck_interval, Duration::from_secs(30));
+        for flag in [
+            "--health-recovery-hold-down-secs",
+            "--health-recovery-hold-down",
+        ] {
+            let policy = agent_config(&parse(&[flag, "45"])).health_policy();
+            assert_eq!(policy.hold_down, Duration::from_secs(45), "{flag}");
+            // Only the hold-down changes.
+            assert_eq!(policy.ignored_xids, default.ignored_xids);
+            assert_eq!(policy.recheck_interval, default.recheck_interval);
+        }
+        assert_eq!(
+            agent_config(&parse(&["--health-recovery-hold-down-secs", "0"]))
+                .health_policy()
+                .hold_down,
+            Duration::ZERO
+        );
+        let bad = Cli::try_parse_from([
+            "gpupool-device-plugin",
+            "--node-name",
+            "gpu-0",
+            "--health-recovery-hold-down-secs",
+            "5m",
+        ]);
+        assert!(bad.is_err());
+    }
+
+    #[test]
+    fn kmsg_path_defaults_to_dev_kmsg() {
+        assert_eq!(
+            agent_config(&parse(&[])).kmsg_path,
+            PathBuf::from("/dev/kmsg")
+        );
+        assert_eq!(
+            agent_config(&parse(&["--kmsg-path", "/host/dev/kmsg"])).kmsg_path,
+            PathBuf::from("/host/dev/kmsg")
+        );
+    }
 }
