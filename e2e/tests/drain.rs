@@ -1,0 +1,235 @@
+//! MIG drain coordination against the real control plane: while a node's agent reports
+//! `Draining`, the operator evicts the GPU pods on that node through the Eviction API (a
+//! PodDisruptionBudget holds a pod back until it allows the eviction), leaves other pods alone,
+//! records why on each pod, and reports the drain's progress in pool status. The test writes the
+//! GpuNode status an agent would; kwok runs the pods.
+
+#[path = "operator_support.rs"]
+mod support;
+
+use anyhow::{Context, Result};
+use gpupool_crds::GpuPool;
+use gpupool_crds::node::MigState;
+use gpupool_e2e::{Cluster, TestScope, crds, wait};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::{Api, Client};
+use serde_json::json;
+use support::*;
+
+fn mig_pool_spec(scope: &TestScope) -> serde_json::Value {
+    let (k, v) = scope.label();
+    json!({
+        "nodeSelector": { "matchLabels": { k: v } },
+        "mig": { "strategy": "mixed", "layout": { "preset": "all-1g.10gb" } },
+        "reclaim": { "mode": "Off" },
+    })
+}
+
+async fn pod_now(client: &Client, ns: &str, name: &str) -> Result<Option<Pod>> {
+    Ok(Api::<Pod>::namespaced(client.clone(), ns)
+        .get_opt(name)
+        .await?)
+}
+
+/// Gone, or being deleted (how an eviction of a kwok pod looks).
+async fn wait_evicted(client: &Client, ns: &str, name: &str) -> Result<()> {
+    wait::poll(&format!("{name} evicted"), REACT, POLL, || async move {
+        let p = pod_now(client, ns, name).await?;
+        Ok(p.is_none_or(|p| p.metadata.deletion_timestamp.is_some())
+            .then_some(()))
+    })
+    .await
+}
+
+async fn wait_event(client: &Client, ns: &str, pod: &str, reason: &str) -> Result<Event> {
+    let api: Api<Event> = Api::namespaced(client.clone(), ns);
+    wait::poll(&format!("{reason} Event on {pod}"), REACT, POLL, || {
+        let api = api.clone();
+        async move {
+            Ok(api
+                .list(&ListParams::default())
+                .await?
+                .items
+                .into_iter()
+                .find(|e| {
+                    e.reason.as_deref() == Some(reason)
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(pod)
+                }))
+        }
+    })
+    .await
+}
+
+/// A pod without GPUs on `node`: a drain must leave it alone.
+async fn cpu_pod(client: &Client, scope: &TestScope, name: &str, node: &str) -> Result<()> {
+    let (k, v) = scope.label();
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": { "name": name, "labels": { k: v } },
+        "spec": {
+            "nodeName": node,
+            "containers": [{ "name": "main", "image": "registry.invalid/sidecar:1" }],
+            "tolerations": [{ "operator": "Exists" }],
+            "terminationGracePeriodSeconds": 0,
+        },
+    }))?;
+    Api::<Pod>::namespaced(client.clone(), scope.namespace())
+        .create(&PostParams::default(), &pod)
+        .await?;
+    wait_running(client, scope.namespace(), name).await?;
+    Ok(())
+}
+
+fn pods_to_drain(pool: &GpuPool) -> Option<u32> {
+    pool.status.as_ref().map(|s| s.mig.pods_to_drain)
+}
+
+#[tokio::test]
+async fn draining_node_loses_its_gpu_pods_through_evictions_that_respect_pdbs() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "mig-drain")?;
+    let client = cluster.client().await?;
+    crds::install(cluster).await?;
+    let ns = scope.namespace();
+    let node = create_node(
+        cluster,
+        &scope,
+        &scope.name("n"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[],
+    )?;
+    // A second pool node that is not draining: its GPU pod must stay.
+    let quiet = create_node(
+        cluster,
+        &scope,
+        &scope.name("q"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[],
+    )?;
+    let op = Operator::start(cluster, &scope, "only", &scope.name("lease"))?;
+    let pool = scope.name("pool");
+    apply_pool(&client, &scope, &pool, mig_pool_spec(&scope)).await?;
+    let gn = wait_gpunode(&client, &node, |g| g.spec.mig.managed)
+        .await
+        .with_context(|| op.log_tail())?;
+    assert!(
+        !gn.spec.mig.gpus.is_empty(),
+        "the preset resolved to no GPU: {:?}",
+        gn.spec.mig
+    );
+    wait_gpunode(&client, &quiet, |g| g.spec.mig.managed).await?;
+    report_status(&client, &quiet, |_| {}).await?;
+
+    // The pods: one free to go, one held by a PDB, one without GPUs, one on the quiet node.
+    let pdb: PodDisruptionBudget = serde_json::from_value(json!({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": { "name": "guard" },
+        "spec": { "maxUnavailable": 0, "selector": { "matchLabels": { "app": "guarded" } } },
+    }))?;
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), ns);
+    pdbs.create(&PostParams::default(), &pdb).await?;
+    running_gpu_pod(&client, &scope, "free", &node, &[], &[]).await?;
+    running_gpu_pod(
+        &client,
+        &scope,
+        "guarded",
+        &node,
+        &[],
+        &[("app", "guarded")],
+    )
+    .await?;
+    running_gpu_pod(&client, &scope, "elsewhere", &quiet, &[], &[]).await?;
+    cpu_pod(&client, &scope, "cpu-only", &node).await?;
+    // Let the disruption controller see the budget first (it allows no disruption of these
+    // controller-less pods either way).
+    wait::poll("PDB observed", REACT, POLL, || {
+        let pdbs = pdbs.clone();
+        async move {
+            let p = pdbs.get("guard").await?;
+            Ok(p.status
+                .filter(|s| s.observed_generation.is_some())
+                .map(|_| ()))
+        }
+    })
+    .await?;
+
+    // The agent reports Draining.
+    report_status(&client, &node, |s| {
+        s.mig.state = MigState::Draining;
+        s.mig.reason = Some("WaitingForGPUPods".into());
+        s.mig.gpus = (0..8).collect();
+    })
+    .await?;
+
+    wait_evicted(&client, ns, "free")
+        .await
+        .with_context(|| op.log_tail())?;
+    let why = wait_event(&client, ns, "free", "EvictedForMIGChange").await?;
+    let note = why.note.unwrap_or_default();
+    assert!(
+        note.contains(&pool) && note.contains(&node),
+        "the Event should name the pool and the node: {note}"
+    );
+    wait_event(&client, ns, "guarded", "MIGDrainBlockedByPDB")
+        .await
+        .with_context(|| op.log_tail())?;
+    let p = wait_pool(&client, &pool, "one pod left to drain", |p| {
+        pods_to_drain(p) == Some(1)
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    let mig = p.status.map(|s| s.mig).unwrap_or_default();
+    assert!(
+        mig.pending >= 1,
+        "the draining node counts as pending: {mig:?}"
+    );
+    let guarded = pod_now(&client, ns, "guarded")
+        .await?
+        .context("the guarded pod is gone")?;
+    assert!(
+        guarded.metadata.deletion_timestamp.is_none(),
+        "the PDB was not respected"
+    );
+
+    // The budget lifts: the last GPU pod goes, and the count reaches zero.
+    pdbs.delete("guard", &DeleteParams::default()).await?;
+    wait_evicted(&client, ns, "guarded")
+        .await
+        .with_context(|| op.log_tail())?;
+    wait_pool(&client, &pool, "nothing left to drain", |p| {
+        pods_to_drain(p) == Some(0)
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+
+    // Pods without GPUs and GPU pods on other nodes were never touched.
+    for (name, what) in [
+        ("cpu-only", "a pod without GPUs"),
+        ("elsewhere", "a GPU pod on a node not draining"),
+    ] {
+        let p = pod_now(&client, ns, name)
+            .await?
+            .with_context(|| format!("{what} was deleted"))?;
+        assert!(
+            p.metadata.deletion_timestamp.is_none(),
+            "{what} was evicted"
+        );
+    }
+
+    // The agent finishes: the pool counts the node as applied.
+    report_status(&client, &node, |s| s.mig.state = MigState::Applied).await?;
+    wait_pool(&client, &pool, "MIG applied on both nodes", |p| {
+        p.status
+            .as_ref()
+            .is_some_and(|s| s.mig.applied == 2 && s.mig.pending == 0)
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    delete_pool(&client, &pool).await?;
+    Ok(())
+}
