@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::{StreamExt, TryStreamExt, future, stream};
+use futures::{StreamExt, future, stream};
 use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
 use gpupool_crds::policy::{OnFailure, ReclaimMode};
 use gpupool_crds::{GpuNode, GpuPool, GpuPoolStatus};
@@ -24,7 +24,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Failures, Result};
 use crate::metrics::{ErrorLabels, Metrics, ReconcileLabels};
 use crate::pool::{self, ConflictingNode, Member};
 use crate::{drain, reclaim_run};
@@ -147,7 +147,7 @@ pub async fn reconcile(guard: Arc<DeserializeGuard<GpuPool>>, ctx: Arc<Context>)
             Ok(pool) => {
                 let api: Api<GpuPool> = Api::all(ctx.client.clone());
                 let pool = Arc::new(pool.clone());
-                finalizer(&api, POOL_FINALIZER, pool, |event| async {
+                let result = finalizer(&api, POOL_FINALIZER, pool.clone(), |event| async {
                     match event {
                         Finalizer::Apply(pool) => apply(&pool, &ctx, Timestamp::now()).await,
                         Finalizer::Cleanup(pool) => cleanup(&pool, &ctx).await,
@@ -157,7 +157,11 @@ pub async fn reconcile(guard: Arc<DeserializeGuard<GpuPool>>, ctx: Arc<Context>)
                 .map_err(|e| Error::Finalizer {
                     pool: name.clone(),
                     source: Box::new(e),
-                })
+                });
+                if let Err(e) = &result {
+                    report_unapplied_failure(&pool, e, &ctx).await;
+                }
+                result
             }
             Err(invalid) => report_invalid(&name, &invalid.to_string(), &ctx).await,
         };
@@ -193,6 +197,27 @@ pub fn error_policy(
     Action::requeue(delay)
 }
 
+/// A reconcile that failed outside [`apply`] (which reports its own failures in the status it
+/// writes): the finalizer could not be added or removed, or the cleanup failed. The previous
+/// status gets the failure, so the pool says why nothing happens (best effort: logged if even
+/// that write fails).
+async fn report_unapplied_failure(pool: &GpuPool, error: &Error, ctx: &Context) {
+    use kube::runtime::finalizer::Error as F;
+    let Error::Finalizer { source, .. } = error else {
+        return;
+    };
+    if matches!(source.as_ref(), F::ApplyFailed(_)) {
+        return;
+    }
+    let Some(failure) = error.api_failure() else {
+        return;
+    };
+    let status = pool::with_api_failures(pool, &[failure], Timestamp::now());
+    if let Err(e) = write_status(pool, status, ctx).await {
+        warn!(error = %e, "reporting the failure in the pool's status failed");
+    }
+}
+
 /// A pool whose object cannot be read: say so in its status and wait for an edit.
 async fn report_invalid(name: &str, message: &str, ctx: &Context) -> Result<Action> {
     let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &pool_api_resource());
@@ -215,7 +240,11 @@ async fn report_invalid(name: &str, message: &str, ctx: &Context) -> Result<Acti
         &Patch::Apply(&patch),
     )
     .await
-    .map_err(Error::kube(format!("reporting malformed GpuPool {name}")))?;
+    .map_err(Error::kube(
+        "patch",
+        "gpupools/status",
+        format!("reporting malformed GpuPool {name}"),
+    ))?;
     ctx.metrics.write("GpuPool", "status");
     Ok(Action::await_change())
 }
@@ -326,39 +355,53 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
             layout_problem: problem,
         });
     }
-    stream::iter(to_apply)
+    // A failed write does not stop the others: the status names what failed.
+    let mut failures = Failures::default();
+    let applied: Vec<(String, Result<()>)> = stream::iter(to_apply)
         .map(|desired| {
             let gn_api = gn_api.clone();
             async move {
                 let node_name = desired.name_any();
-                gn_api
+                let result = gn_api
                     .patch(
                         &node_name,
                         &PatchParams::apply(FIELD_MANAGER).force(),
                         &Patch::Apply(&desired),
                     )
                     .await
-                    .map_err(Error::kube(format!("applying GpuNode {node_name}")))?;
-                ctx.metrics.write("GpuNode", "apply");
-                Ok::<_, Error>(())
+                    .map(|_| ctx.metrics.write("GpuNode", "apply"))
+                    .map_err(Error::kube(
+                        "patch",
+                        "gpunodes",
+                        format!("applying GpuNode {node_name}"),
+                    ));
+                (node_name, result)
             }
         })
         .buffer_unordered(WRITE_CONCURRENCY)
-        .try_collect::<Vec<()>>()
-        .await?;
-    let left: Vec<String> = gpunodes
+        .collect()
+        .await;
+    // Only nodes whose write went through have joined or left (the others are retried).
+    let not_applied = keep_failures(applied, &mut failures);
+    joined.retain(|n| !not_applied.contains(n));
+    let mut left: Vec<String> = gpunodes
         .iter()
         .filter(|(n, gn)| owned_by(gn, pool) && !member_names.contains(*n))
         .map(|(n, _)| n.clone())
         .collect();
-    stream::iter(left.clone())
+    let deleted: Vec<(String, Result<()>)> = stream::iter(left.clone())
         .map(|n| {
             let gn_api = gn_api.clone();
-            async move { delete_gpunode(&gn_api, &n, ctx).await }
+            async move {
+                let result = delete_gpunode(&gn_api, &n, ctx).await;
+                (n, result)
+            }
         })
         .buffer_unordered(WRITE_CONCURRENCY)
-        .try_collect::<Vec<()>>()
-        .await?;
+        .collect()
+        .await;
+    let not_deleted = keep_failures(deleted, &mut failures);
+    left.retain(|n| !not_deleted.contains(n));
     for (reason, verb, nodes) in [
         ("NodeJoined", "joined", &joined),
         ("NodeLeft", "left", &left),
@@ -404,17 +447,18 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
         // Only the operator sets this taint, so a node that leaves the pool loses it.
         node_writes.push((node.clone(), is_member.then(|| name.clone()), want_taint));
     }
-    stream::iter(node_writes)
+    let synced: Vec<Result<()>> = stream::iter(node_writes)
         .map(|(node, pool_name, taint)| async move {
             sync_node(&node, pool_name.as_deref(), taint, ctx).await
         })
         .buffer_unordered(WRITE_CONCURRENCY)
-        .try_collect::<Vec<()>>()
-        .await?;
+        .collect()
+        .await;
+    synced.into_iter().for_each(|r| failures.check(r));
 
     // MIG drains and idle reclamation.
     let member_gns: Vec<&GpuNode> = members.iter().filter_map(|m| m.gpunode).collect();
-    let pods_to_drain = drain::run(pool, &member_gns, ctx, now).await?;
+    let pods_to_drain = drain::run(pool, &member_gns, ctx, now, &mut failures).await;
     let previous_reclaim = pool
         .status
         .as_ref()
@@ -430,8 +474,9 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
             previous_reclaim,
             ctx,
             now,
+            &mut failures,
         )
-        .await?
+        .await
     };
 
     let status = pool::pool_status(&pool::StatusInput {
@@ -441,9 +486,17 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
         selector_error,
         pods_to_drain,
         reclaim,
+        api_failures: failures.reported(),
         now,
     });
-    write_status(pool, status, ctx).await?;
+    if let Err(e) = write_status(pool, status, ctx).await {
+        // The failure that came first says more than this one.
+        if failures.errors.is_empty() {
+            return Err(e);
+        }
+        warn!(error = %e, "writing the pool's status failed");
+    }
+    failures.into_result()?;
 
     let busy = pool.spec.reclaim.mode != ReclaimMode::Off || pods_to_drain > 0;
     Ok(Action::requeue(if busy {
@@ -453,6 +506,18 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     }))
 }
 
+/// Moves the errors of named results into `failures`; returns the names that failed.
+fn keep_failures(results: Vec<(String, Result<()>)>, failures: &mut Failures) -> BTreeSet<String> {
+    let mut failed = BTreeSet::new();
+    for (name, result) in results {
+        if let Err(e) = result {
+            failures.push(e);
+            failed.insert(name);
+        }
+    }
+    failed
+}
+
 async fn delete_gpunode(api: &Api<GpuNode>, name: &str, ctx: &Context) -> Result<()> {
     match api.delete(name, &DeleteParams::default()).await {
         Ok(_) => {
@@ -460,7 +525,11 @@ async fn delete_gpunode(api: &Api<GpuNode>, name: &str, ctx: &Context) -> Result
             Ok(())
         }
         Err(e) if crate::error::api_code(&e) == Some(404) => Ok(()),
-        Err(e) => Err(Error::kube(format!("deleting GpuNode {name}"))(e)),
+        Err(e) => Err(Error::kube(
+            "delete",
+            "gpunodes",
+            format!("deleting GpuNode {name}"),
+        )(e)),
     }
 }
 
@@ -505,7 +574,11 @@ async fn sync_node(node: &Node, pool: Option<&str>, want_taint: bool, ctx: &Cont
         &Patch::Merge(&patch),
     )
     .await
-    .map_err(Error::kube(format!("labelling/tainting node {node_name}")))?;
+    .map_err(Error::kube(
+        "patch",
+        "nodes",
+        format!("labelling/tainting node {node_name}"),
+    ))?;
     ctx.metrics.write("Node", "patch");
     Ok(())
 }
@@ -529,13 +602,25 @@ async fn write_status(pool: &GpuPool, status: GpuPoolStatus, ctx: &Context) -> R
         &Patch::Apply(&patch),
     )
     .await
-    .map_err(Error::kube(format!("writing status of GpuPool {name}")))?;
+    .map_err(Error::kube(
+        "patch",
+        "gpupools/status",
+        format!("writing status of GpuPool {name}"),
+    ))?;
     ctx.metrics.write("GpuPool", "status");
     let reference = pool.object_ref(&());
-    for (type_, good_when_true) in [("Ready", true), ("Conflict", false)] {
+    for (type_, good_when_true) in [
+        ("Ready", true),
+        ("Conflict", false),
+        (pool::API_ERRORS, false),
+    ] {
         let before = pool::condition_status(&previous, type_);
         let after = pool::condition_status(&status, type_);
         if before == after {
+            continue;
+        }
+        // A pool's first status says nothing new about API errors when there are none.
+        if type_ == pool::API_ERRORS && before.is_none() && after == Some("False") {
             continue;
         }
         let Some(c) = status.conditions.iter().find(|c| c.type_ == type_) else {

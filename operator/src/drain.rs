@@ -11,7 +11,7 @@ use kube::{Resource, ResourceExt};
 use tracing::{info, warn};
 
 use crate::controller::Context;
-use crate::error::{Result, api_code};
+use crate::error::{Failures, api_code};
 
 /// Whether a pod asks for GPUs (`nvidia.com/gpu` or `nvidia.com/mig-*`).
 pub fn requests_gpu(pod: &Pod) -> bool {
@@ -47,13 +47,15 @@ pub fn pods_to_drain<'a>(node: &str, pods: impl IntoIterator<Item = &'a Pod>) ->
         .collect()
 }
 
-/// Evicts the GPU pods of draining nodes; returns how many are still to go.
+/// Evicts the GPU pods of draining nodes; returns how many are still to go. Evictions the API
+/// server refuses (RBAC) are noted in `failures` for the pool's status.
 pub async fn run(
     pool: &GpuPool,
     gpunodes: &[&GpuNode],
     ctx: &Context,
     _now: Timestamp,
-) -> Result<u32> {
+    failures: &mut Failures,
+) -> u32 {
     let draining: Vec<String> = gpunodes
         .iter()
         .filter(|g| {
@@ -64,7 +66,7 @@ pub async fn run(
         .map(|g| g.name_any())
         .collect();
     if draining.is_empty() {
-        return Ok(0);
+        return 0;
     }
     let all = ctx.pods.state();
     let mut remaining = 0u32;
@@ -101,6 +103,12 @@ pub async fn run(
                 Err(e) if api_code(&e) == Some(404) => continue,
                 Err(e) => {
                     warn!(pod = %format!("{ns}/{name}"), error = %e, "eviction for MIG drain failed");
+                    failures.note(
+                        "create",
+                        "pods/eviction",
+                        format!("evicting pod {ns}/{name} for the MIG change on node {node}"),
+                        &e,
+                    );
                     (
                         EventType::Warning,
                         "MIGDrainFailed",
@@ -121,7 +129,7 @@ pub async fn run(
             .await;
         }
     }
-    Ok(remaining)
+    remaining
 }
 
 #[cfg(test)]

@@ -19,9 +19,10 @@ use serde_json::Value;
 use tower_test::mock::{self, Handle};
 
 use crate::controller::{Context, Settings, reconcile};
+use crate::error::ApiFailure;
 use crate::metrics::Metrics;
 use crate::pool::tests::{labels, pool, ready_gpunode};
-use crate::pool::{self, Member, StatusInput};
+use crate::pool::{self, API_ERRORS, Member, StatusInput};
 
 type ApiHandle = Handle<Request<Body>, Response<Body>>;
 
@@ -34,6 +35,8 @@ struct Expect {
     check: Box<dyn Fn(&Value) + Send>,
     /// Answer: `None` echoes the request body back.
     answer: Option<Value>,
+    /// The HTTP status of the answer.
+    status: u16,
 }
 
 fn expect(method: Method, path_suffix: &str, check: impl Fn(&Value) + Send + 'static) -> Expect {
@@ -42,6 +45,29 @@ fn expect(method: Method, path_suffix: &str, check: impl Fn(&Value) + Send + 'st
         path_suffix: path_suffix.to_owned(),
         check: Box::new(check),
         answer: None,
+        status: 200,
+    }
+}
+
+/// The Status an API server answers a request with when RBAC does not allow it.
+fn forbidden(verb: &str, resource: &str, name: &str) -> Value {
+    serde_json::json!({
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": format!(
+            "{resource} \"{name}\" is forbidden: User \"system:serviceaccount:gpupool-system:gpupool-operator\" cannot {verb} resource \"{resource}\" in API group \"\" at the cluster scope"
+        ),
+        "reason": "Forbidden",
+        "details": { "name": name, "kind": resource },
+        "code": 403,
+    })
+}
+
+/// The request, answered 403 Forbidden.
+fn refused(method: Method, path_suffix: &str, verb: &str, resource: &str, name: &str) -> Expect {
+    Expect {
+        answer: Some(forbidden(verb, resource, name)),
+        status: 403,
+        ..expect(method, path_suffix, |_| {})
     }
 }
 
@@ -64,6 +90,7 @@ async fn verify(mut handle: ApiHandle, expected: Vec<Expect>) {
         let answer = e.answer.unwrap_or(body);
         send.send_response(
             Response::builder()
+                .status(e.status)
                 .body(Body::from(serde_json::to_vec(&answer).unwrap()))
                 .unwrap(),
         );
@@ -198,6 +225,7 @@ async fn an_unchanged_pool_writes_nothing() {
         selector_error: None,
         pods_to_drain: 0,
         reclaim: Default::default(),
+        api_failures: vec![],
         now: "2026-03-01T00:00:00Z".parse::<Timestamp>().unwrap(),
     }));
     f.pool(&p);
@@ -290,18 +318,17 @@ async fn deleting_a_pool_removes_its_gpunodes_labels_taints_then_the_finalizer()
     run(f, &p, expected, handle).await;
 }
 
-#[tokio::test]
-async fn an_idle_job_pod_past_its_deadline_gets_its_job_suspended_once() {
+/// A pool reclaiming in Enforce mode, its ready node n1, and on it the pod ml/w of Job
+/// ml/train, idle for years and warned with a deadline long past.
+fn idle_job_fixture(client: Client) -> (Fixture, GpuPool) {
     use gpupool_crds::labels::{IDLE_SINCE_ANNOTATION, RECLAIM_AT_ANNOTATION};
     use gpupool_crds::node::{Activity, GpuStatus, Idleness, PodRef};
     use gpupool_crds::policy::ReclaimMode;
     use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus, Pod, PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
-    let client = Client::new(service, "default");
     let (pod_store, mut pods) = reflector::store::<Pod>();
-    let mut f = Fixture::new(client.clone());
+    let mut f = Fixture::new(client);
     // The fixture's pod store is empty; give this test one with the pod in it.
     if let Some(ctx) = Arc::get_mut(&mut f.ctx) {
         ctx.pods = pod_store;
@@ -369,19 +396,29 @@ async fn an_idle_job_pod_past_its_deadline_gets_its_job_suspended_once() {
     f.pool(&p);
     f.node(&node);
     f.gpunode(&gn);
-    let job = serde_json::json!({
+    (f, p)
+}
+
+fn job_train() -> Value {
+    serde_json::json!({
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": { "name": "train", "namespace": "ml" },
         "spec": { "suspend": false, "template": { "spec": { "containers": [] } } },
-    });
+    })
+}
+
+#[tokio::test]
+async fn an_idle_job_pod_past_its_deadline_gets_its_job_suspended_once() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let (f, p) = idle_job_fixture(Client::new(service, "default"));
     let answer = serde_json::to_value(&p).unwrap();
     let expected = vec![
         Expect {
-            answer: Some(job.clone()),
+            answer: Some(job_train()),
             ..expect(Method::GET, "/namespaces/ml/jobs/train", |_| {})
         },
         Expect {
-            answer: Some(job),
+            answer: Some(job_train()),
             ..expect(Method::PATCH, "/namespaces/ml/jobs/train", |body| {
                 assert_eq!(body["spec"]["suspend"], true)
             })
@@ -403,6 +440,7 @@ async fn an_idle_job_pod_past_its_deadline_gets_its_job_suspended_once() {
                 assert_eq!(r["history"][0]["owner"], "Job/train");
                 assert_eq!(r["history"][0]["result"], "Succeeded");
                 assert_eq!(r["history"][0]["pod"], "ml/w");
+                assert_eq!(condition_of(body, API_ERRORS)["status"], "False");
             })
         },
         expect(Method::POST, "/events", |body| {
@@ -412,6 +450,308 @@ async fn an_idle_job_pod_past_its_deadline_gets_its_job_suspended_once() {
             assert_eq!(body["reason"], "ConflictFalse")
         }),
     ];
-    drop(client);
     run(f, &p, expected, handle).await;
+}
+
+/// The condition of this type in a status patch.
+fn condition_of<'a>(body: &'a Value, type_: &str) -> &'a Value {
+    body["status"]["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == type_))
+        .unwrap_or_else(|| panic!("no {type_} condition in {body}"))
+}
+
+/// Like [`run`], for a reconcile that must fail; returns its error.
+async fn run_failing(
+    fixture: Fixture,
+    p: &GpuPool,
+    expected: Vec<Expect>,
+    handle: ApiHandle,
+) -> crate::Error {
+    let verifier = tokio::spawn(verify(handle, expected));
+    let result = reconcile(guard(p), fixture.ctx.clone()).await;
+    drop(fixture);
+    verifier.await.unwrap();
+    match result {
+        Ok(action) => panic!("the reconcile succeeded: {action:?}"),
+        Err(e) => e,
+    }
+}
+
+/// Pool `train` with its GpuNode on n1 reported ready, and a status computed with these
+/// failures; n1 carries the pool label only when `labelled`.
+fn train_fixture(client: Client, labelled: bool, failures: Vec<ApiFailure>) -> (Fixture, GpuPool) {
+    let mut f = Fixture::new(client);
+    let mut p = with_finalizer(pool("train", "2026-01-01T00:00:00Z", &[("team", "ml")]));
+    let gn = ready_gpunode(&p, "n1");
+    p.status = Some(pool::pool_status(&StatusInput {
+        pool: &p,
+        members: vec![Member {
+            node: "n1".into(),
+            gpunode: Some(&gn),
+            layout_problem: None,
+        }],
+        conflicts: vec![],
+        selector_error: None,
+        pods_to_drain: 0,
+        reclaim: Default::default(),
+        api_failures: failures,
+        now: "2026-03-01T00:00:00Z".parse::<Timestamp>().unwrap(),
+    }));
+    f.pool(&p);
+    f.node(&gpu_node("n1", labelled.then_some("train"), false));
+    f.gpunode(&gn);
+    (f, p)
+}
+
+/// The failure the refused node patch of [`train_fixture`]'s n1 makes.
+fn node_patch_refused() -> ApiFailure {
+    let status: kube::core::Status =
+        serde_json::from_value(forbidden("patch", "nodes", "n1")).unwrap();
+    ApiFailure::new(
+        "patch",
+        "nodes",
+        "labelling/tainting node n1",
+        &kube::Error::Api(Box::new(status)),
+    )
+}
+
+#[tokio::test]
+async fn a_forbidden_node_patch_is_named_in_the_status_with_a_warning_event() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let (f, p) = train_fixture(Client::new(service, "default"), false, vec![]);
+    assert_eq!(
+        pool::condition_status(p.status.as_ref().unwrap(), "Ready"),
+        Some("True")
+    );
+    let answer = serde_json::to_value(&p).unwrap();
+    let expected = vec![
+        refused(Method::PATCH, "/nodes/n1", "patch", "nodes", "n1"),
+        Expect {
+            answer: Some(answer),
+            ..expect(Method::PATCH, "/gpupools/train/status", |body| {
+                let c = condition_of(body, API_ERRORS);
+                assert_eq!(c["status"], "True");
+                assert_eq!(c["reason"], "Forbidden");
+                let msg = c["message"].as_str().unwrap();
+                for part in [
+                    "the operator cannot patch nodes: forbidden",
+                    "check the chart's ClusterRole",
+                    "labelling/tainting node n1",
+                    "cannot patch resource \"nodes\"",
+                ] {
+                    assert!(msg.contains(part), "{part:?} not in {msg}");
+                }
+                let ready = condition_of(body, "Ready");
+                assert_eq!(ready["status"], "False");
+                assert_eq!(ready["reason"], API_ERRORS);
+            })
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReadyFalse");
+            assert_eq!(body["type"], "Warning");
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "APIErrorsTrue");
+            assert_eq!(body["type"], "Warning");
+            assert_eq!(body["regarding"]["kind"], "GpuPool");
+            let note = body["note"].as_str().unwrap();
+            assert!(note.contains("cannot patch nodes: forbidden"), "{note}");
+        }),
+    ];
+    let error = run_failing(f, &p, expected, handle).await;
+    // The reconcile still fails, so it is retried with backoff and logged as before.
+    let text = error.to_string();
+    assert!(text.contains("labelling/tainting node n1"), "{text}");
+    assert!(text.contains("forbidden"), "{text}");
+}
+
+#[tokio::test]
+async fn a_failure_already_reported_writes_nothing_more() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let (f, p) = train_fixture(
+        Client::new(service, "default"),
+        false,
+        vec![node_patch_refused()],
+    );
+    let expected = vec![refused(Method::PATCH, "/nodes/n1", "patch", "nodes", "n1")];
+    run_failing(f, &p, expected, handle).await;
+}
+
+#[tokio::test]
+async fn the_condition_clears_with_an_event_once_the_call_succeeds() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let (f, p) = train_fixture(
+        Client::new(service, "default"),
+        false,
+        vec![node_patch_refused()],
+    );
+    let st = p.status.as_ref().unwrap();
+    assert_eq!(pool::condition_status(st, API_ERRORS), Some("True"));
+    assert_eq!(pool::condition_status(st, "Ready"), Some("False"));
+    let answer = serde_json::to_value(&p).unwrap();
+    let expected = vec![
+        Expect {
+            answer: Some(serde_json::to_value(gpu_node("n1", Some("train"), false)).unwrap()),
+            ..expect(Method::PATCH, "/nodes/n1", |body| {
+                assert_eq!(body["metadata"]["labels"][POOL_LABEL], "train")
+            })
+        },
+        Expect {
+            answer: Some(answer),
+            ..expect(Method::PATCH, "/gpupools/train/status", |body| {
+                let c = condition_of(body, API_ERRORS);
+                assert_eq!(c["status"], "False");
+                assert_eq!(c["reason"], "NoErrors");
+                assert_eq!(condition_of(body, "Ready")["status"], "True");
+            })
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReadyTrue")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "APIErrorsFalse");
+            assert_eq!(body["type"], "Normal");
+        }),
+    ];
+    run(f, &p, expected, handle).await;
+}
+
+#[tokio::test]
+async fn a_forbidden_finalizer_patch_is_reported_in_the_status() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut f = Fixture::new(Client::new(service, "default"));
+    let mut p = pool("train", "2026-01-01T00:00:00Z", &[("team", "ml")]);
+    p.metadata.resource_version = Some("1".into());
+    f.pool(&p);
+    let answer = serde_json::to_value(&p).unwrap();
+    let expected = vec![
+        refused(
+            Method::PATCH,
+            "/gpupools/train",
+            "patch",
+            "gpupools",
+            "train",
+        ),
+        Expect {
+            answer: Some(answer),
+            ..expect(Method::PATCH, "/gpupools/train/status", |body| {
+                let c = condition_of(body, API_ERRORS);
+                assert_eq!(c["status"], "True");
+                let msg = c["message"].as_str().unwrap();
+                assert!(
+                    msg.contains("cannot patch gpupools: forbidden")
+                        && msg.contains("adding the finalizer"),
+                    "{msg}"
+                );
+                assert_eq!(condition_of(body, "Ready")["reason"], API_ERRORS);
+            })
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReadyFalse")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "APIErrorsTrue")
+        }),
+    ];
+    run_failing(f, &p, expected, handle).await;
+}
+
+#[tokio::test]
+async fn a_refused_job_suspension_is_recorded_and_named_without_failing_the_reconcile() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let (f, p) = idle_job_fixture(Client::new(service, "default"));
+    let answer = serde_json::to_value(&p).unwrap();
+    let expected = vec![
+        Expect {
+            answer: Some(job_train()),
+            ..expect(Method::GET, "/namespaces/ml/jobs/train", |_| {})
+        },
+        refused(
+            Method::PATCH,
+            "/namespaces/ml/jobs/train",
+            "patch",
+            "jobs",
+            "train",
+        ),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReclaimBlocked");
+            assert_eq!(body["type"], "Warning");
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReclaimAction")
+        }),
+        Expect {
+            answer: Some(answer),
+            ..expect(Method::PATCH, "/gpupools/p/status", |body| {
+                let r = &body["status"]["reclaim"];
+                assert_eq!(r["reclaimed"], 0);
+                assert_eq!(r["history"][0]["action"], "Suspend");
+                assert_eq!(r["history"][0]["result"], "Failed");
+                let c = condition_of(body, API_ERRORS);
+                assert_eq!(c["status"], "True");
+                let msg = c["message"].as_str().unwrap();
+                assert!(
+                    msg.contains("cannot patch jobs: forbidden")
+                        && msg.contains("suspending Job ml/train"),
+                    "{msg}"
+                );
+                // The nodes are fine: a refused reclaim does not make the pool unready.
+                assert_eq!(condition_of(body, "Ready")["status"], "True");
+            })
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReadyTrue")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ConflictFalse")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "APIErrorsTrue");
+            assert_eq!(body["type"], "Warning");
+        }),
+    ];
+    run(f, &p, expected, handle).await;
+}
+
+#[tokio::test]
+async fn a_refused_gpunode_write_does_not_stop_the_rest_of_the_reconcile() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut f = Fixture::new(Client::new(service, "default"));
+    let p = with_finalizer(pool("train", "2026-01-01T00:00:00Z", &[("team", "ml")]));
+    f.pool(&p);
+    f.node(&gpu_node("n1", None, false));
+    let answer = serde_json::to_value(&p).unwrap();
+    let expected = vec![
+        refused(Method::PATCH, "/gpunodes/n1", "patch", "gpunodes", "n1"),
+        // No NodeJoined Event: the node has not joined until its GpuNode exists. The label
+        // still goes on.
+        Expect {
+            answer: Some(serde_json::to_value(gpu_node("n1", Some("train"), false)).unwrap()),
+            ..expect(Method::PATCH, "/nodes/n1", |body| {
+                assert_eq!(body["metadata"]["labels"][POOL_LABEL], "train")
+            })
+        },
+        Expect {
+            answer: Some(answer),
+            ..expect(Method::PATCH, "/gpupools/train/status", |body| {
+                let c = condition_of(body, API_ERRORS);
+                assert_eq!(c["status"], "True");
+                let msg = c["message"].as_str().unwrap();
+                assert!(msg.contains("cannot patch gpunodes: forbidden"), "{msg}");
+                assert_eq!(body["status"]["problems"][0]["reason"], "NotReported");
+            })
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReadyFalse")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ConflictFalse")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "APIErrorsTrue")
+        }),
+    ];
+    let error = run_failing(f, &p, expected, handle).await;
+    assert!(error.to_string().contains("applying GpuNode n1"), "{error}");
 }

@@ -12,12 +12,17 @@ use k8s_openapi::jiff::Timestamp;
 use kube::core::{Selector, SelectorExt};
 use kube::{Resource, ResourceExt};
 
+use crate::error::ApiFailure;
 use crate::layout::{self, LayoutProblem, NodeGpus};
 
 /// Most per-node problems a status lists.
 pub const MAX_PROBLEMS: usize = 50;
 /// Most node names a condition message lists before "and N more".
 const MAX_NAMES_IN_MESSAGE: usize = 10;
+/// The condition naming the API calls the operator could not make for the pool.
+pub const API_ERRORS: &str = "APIErrors";
+/// Longest APIErrors message.
+const MAX_API_ERRORS_MESSAGE: usize = 2000;
 
 /// The pool's node selector, or why it cannot be used.
 pub fn selector(pool: &GpuPool) -> Result<Selector, String> {
@@ -132,6 +137,8 @@ pub struct StatusInput<'a> {
     pub pods_to_drain: u32,
     /// Reclaim counters, as the reclaimer left them.
     pub reclaim: ReclaimStatus,
+    /// API calls of this reconcile that failed.
+    pub api_failures: Vec<ApiFailure>,
     /// Now, for condition transition times.
     pub now: Timestamp,
 }
@@ -343,12 +350,19 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
         ));
     };
     let conflict = !input.conflicts.is_empty();
-    let ready_ok = selected > 0 && ready == selected && !conflict && input.selector_error.is_none();
+    let blocked = input.api_failures.iter().any(blocks_ready);
+    let ready_ok = selected > 0
+        && ready == selected
+        && !conflict
+        && input.selector_error.is_none()
+        && !blocked;
     let (ready_reason, ready_message) = if let Some(e) = &input.selector_error {
         (
             "InvalidSelector",
             format!("the node selector is invalid: {e}"),
         )
+    } else if blocked {
+        (API_ERRORS, blocked_message(ready, selected))
     } else if selected == 0 {
         (
             "NoNodes",
@@ -490,6 +504,13 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
         input.now,
     ));
 
+    conditions.push(api_errors_condition(
+        &previous.conditions,
+        &input.api_failures,
+        gen_,
+        input.now,
+    ));
+
     GpuPoolStatus {
         observed_generation: gen_,
         nodes: Some(format!("{ready}/{selected}")),
@@ -507,6 +528,118 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
         conditions,
         problems,
     }
+}
+
+/// Whether a failure keeps the pool's nodes from their desired state (GpuNodes, node labels
+/// and taints, the pool's own finalizer): then the pool is not Ready, whatever the nodes say.
+fn blocks_ready(failure: &ApiFailure) -> bool {
+    matches!(failure.resource, "gpunodes" | "nodes" | "gpupools")
+}
+
+fn blocked_message(ready: u32, selected: u32) -> String {
+    format!(
+        "{ready}/{selected} nodes ready; the operator cannot bring the nodes to the pool's desired state (see {API_ERRORS})"
+    )
+}
+
+/// `APIErrors`: True, naming each failed kind of call once, while API calls fail; False once
+/// a reconcile makes every call it needs.
+fn api_errors_condition(
+    previous: &[Condition],
+    failures: &[ApiFailure],
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Condition {
+    if failures.is_empty() {
+        return condition(
+            previous,
+            API_ERRORS,
+            "False",
+            "NoErrors",
+            "the operator's last reconcile of this pool made every API call it needed".into(),
+            generation,
+            now,
+        );
+    }
+    let reason = if failures.iter().any(|f| f.code == Some(403)) {
+        "Forbidden"
+    } else if failures.iter().any(|f| f.code == Some(401)) {
+        "Unauthorized"
+    } else {
+        "APICallsFailed"
+    };
+    condition(
+        previous,
+        API_ERRORS,
+        "True",
+        reason,
+        api_errors_message(failures),
+        generation,
+        now,
+    )
+}
+
+/// Each kind of failed call (verb, resource, HTTP status) once, with how many more of it.
+pub fn api_errors_message(failures: &[ApiFailure]) -> String {
+    let mut kinds: Vec<(&ApiFailure, usize)> = Vec::new();
+    for f in failures {
+        match kinds
+            .iter_mut()
+            .find(|(k, _)| (k.verb, k.resource, k.code) == (f.verb, f.resource, f.code))
+        {
+            Some((_, n)) => *n += 1,
+            None => kinds.push((f, 1)),
+        }
+    }
+    let message = kinds
+        .iter()
+        .map(|(f, n)| match n - 1 {
+            0 => f.summary(),
+            more => format!("{} (and {more} more like it)", f.summary()),
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    if message.chars().count() > MAX_API_ERRORS_MESSAGE {
+        let mut cut: String = message.chars().take(MAX_API_ERRORS_MESSAGE).collect();
+        cut.push('…');
+        cut
+    } else {
+        message
+    }
+}
+
+/// The previous status with `failures` reported: for a reconcile that failed before it could
+/// compute a status (the finalizer could not be added or removed, the cleanup failed).
+pub fn with_api_failures(pool: &GpuPool, failures: &[ApiFailure], now: Timestamp) -> GpuPoolStatus {
+    let mut status = pool.status.clone().unwrap_or_default();
+    let generation = pool.metadata.generation;
+    let mut set = |c: Condition| match status.conditions.iter_mut().find(|o| o.type_ == c.type_) {
+        Some(old) => *old = c,
+        None => status.conditions.push(c),
+    };
+    let previous = pool
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
+    set(api_errors_condition(&previous, failures, generation, now));
+    if failures.iter().any(blocks_ready) {
+        let (ready, selected) = pool
+            .status
+            .as_ref()
+            .map(|s| (s.ready_nodes, s.selected_nodes))
+            .unwrap_or_default();
+        set(condition(
+            &previous,
+            "Ready",
+            "False",
+            API_ERRORS,
+            blocked_message(ready, selected),
+            generation,
+            now,
+        ));
+    }
+    status
 }
 
 /// A condition, keeping the previous transition time when its status did not change.
@@ -728,6 +861,7 @@ pub(crate) mod tests {
             selector_error: None,
             pods_to_drain: 0,
             reclaim: ReclaimStatus::default(),
+            api_failures: vec![],
             now: ts("2026-03-01T00:00:00Z"),
         }
     }
@@ -873,6 +1007,128 @@ pub(crate) mod tests {
         assert_eq!(condition_status(&st, "Ready"), Some("False"));
         let ready = st.conditions.iter().find(|c| c.type_ == "Ready").unwrap();
         assert_eq!(ready.reason, "NoNodes");
+    }
+
+    fn failure(verb: &'static str, resource: &'static str, object: &str, code: u16) -> ApiFailure {
+        let status = kube::core::Status::failure(&format!("{resource} \"{object}\": nope"), "X")
+            .with_code(code);
+        ApiFailure::new(
+            verb,
+            resource,
+            format!("doing {object}"),
+            &kube::Error::Api(Box::new(status)),
+        )
+    }
+
+    #[test]
+    fn api_failures_make_a_condition_and_keep_ready_false_only_for_the_pools_own_writes() {
+        let p = pool("p", "2026-01-01T00:00:00Z", &[]);
+        let gn = ready_gpunode(&p, "n1");
+        let with = |failures: Vec<ApiFailure>| {
+            let mut inp = input(&p, vec![member("n1", Some(&gn))]);
+            inp.api_failures = failures;
+            pool_status(&inp)
+        };
+        let cond = |st: &GpuPoolStatus, t: &str| {
+            st.conditions
+                .iter()
+                .find(|c| c.type_ == t)
+                .cloned()
+                .unwrap()
+        };
+
+        let clean = with(vec![]);
+        assert_eq!(cond(&clean, API_ERRORS).status, "False");
+        assert_eq!(cond(&clean, API_ERRORS).reason, "NoErrors");
+        assert_eq!(cond(&clean, "Ready").status, "True");
+
+        // A refused reclaim action: reported, but the nodes are as they should be.
+        let jobs = with(vec![failure("patch", "jobs", "train", 403)]);
+        assert_eq!(cond(&jobs, API_ERRORS).status, "True");
+        assert_eq!(cond(&jobs, API_ERRORS).reason, "Forbidden");
+        assert_eq!(cond(&jobs, "Ready").status, "True");
+
+        // The pool's own writes failing: not Ready, whatever the nodes report.
+        for resource in ["nodes", "gpunodes", "gpupools"] {
+            let st = with(vec![failure("patch", resource, "x", 500)]);
+            let api = cond(&st, API_ERRORS);
+            assert_eq!(
+                (api.status.as_str(), api.reason.as_str()),
+                ("True", "APICallsFailed")
+            );
+            assert!(
+                api.message
+                    .starts_with(&format!("patch {resource} failed with HTTP 500")),
+                "{}",
+                api.message
+            );
+            let ready = cond(&st, "Ready");
+            assert_eq!(
+                (ready.status.as_str(), ready.reason.as_str()),
+                ("False", API_ERRORS)
+            );
+        }
+
+        let unauthorized = with(vec![failure("delete", "gpunodes", "n9", 401)]);
+        assert_eq!(cond(&unauthorized, API_ERRORS).reason, "Unauthorized");
+        // 403 wins the reason whatever the order.
+        let mixed = with(vec![
+            failure("patch", "nodes", "n1", 500),
+            failure("patch", "pods", "w", 403),
+        ]);
+        assert_eq!(cond(&mixed, API_ERRORS).reason, "Forbidden");
+    }
+
+    #[test]
+    fn api_errors_name_each_kind_of_call_once() {
+        let msg = api_errors_message(&[
+            failure("patch", "nodes", "n1", 403),
+            failure("patch", "nodes", "n2", 403),
+            failure("patch", "nodes", "n3", 403),
+            failure("patch", "pods", "w", 403),
+            failure("patch", "nodes", "n4", 500),
+        ]);
+        assert_eq!(
+            msg.matches("the operator cannot patch nodes").count(),
+            1,
+            "{msg}"
+        );
+        assert!(msg.contains("doing n1"), "{msg}");
+        assert!(!msg.contains("doing n2"), "{msg}");
+        assert!(msg.contains("(and 2 more like it)"), "{msg}");
+        assert!(
+            msg.contains("the operator cannot patch pods: forbidden"),
+            "{msg}"
+        );
+        assert!(msg.contains("patch nodes failed with HTTP 500"), "{msg}");
+        let many: Vec<ApiFailure> = ["nodes", "pods", "jobs", "gpunodes", "gpupools", "events"]
+            .iter()
+            .flat_map(|r| (400..420).map(move |code| failure("patch", r, &"x".repeat(300), code)))
+            .collect();
+        let long = api_errors_message(&many);
+        assert_eq!(long.chars().count(), MAX_API_ERRORS_MESSAGE + 1);
+        assert!(long.ends_with('…'));
+    }
+
+    #[test]
+    fn a_failure_before_any_status_still_reports() {
+        let mut p = pool("p", "2026-01-01T00:00:00Z", &[]);
+        let now = ts("2026-03-01T00:00:00Z");
+        let st = with_api_failures(&p, &[failure("patch", "gpupools", "p", 403)], now);
+        assert_eq!(condition_status(&st, API_ERRORS), Some("True"));
+        assert_eq!(condition_status(&st, "Ready"), Some("False"));
+        // Over a full status, only the two conditions change.
+        let gn = ready_gpunode(&p, "n1");
+        p.status = Some(pool_status(&input(&p, vec![member("n1", Some(&gn))])));
+        let before = p.status.clone().unwrap();
+        let st = with_api_failures(&p, &[failure("delete", "gpunodes", "n1", 403)], now);
+        assert_eq!(st.conditions.len(), before.conditions.len());
+        assert_eq!(st.gpus, before.gpus);
+        assert_eq!(condition_status(&st, API_ERRORS), Some("True"));
+        assert_eq!(condition_status(&st, "DriverValid"), Some("True"));
+        // A refusal outside the pool's own writes leaves Ready alone.
+        let st = with_api_failures(&p, &[failure("patch", "pods", "w", 403)], now);
+        assert_eq!(condition_status(&st, "Ready"), Some("True"));
     }
 
     #[test]

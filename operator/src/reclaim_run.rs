@@ -20,7 +20,7 @@ use tracing::{debug, info, warn};
 
 use crate::controller::{Context, FIELD_MANAGER, capped_backoff};
 use crate::demand::demand_pending;
-use crate::error::{Error, Result, api_code};
+use crate::error::{Error, Failures, Result, api_code};
 use crate::reclaim::{
     self, ActionKind, DRY_RUN_ANNOTATION, Decision, PodContext, devices_by_pod, reclaim_decision,
 };
@@ -43,7 +43,9 @@ fn pod_key(pod: &Pod) -> String {
     format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any())
 }
 
-/// Runs the reclaimer over one pool's nodes and returns the new reclaim status.
+/// Runs the reclaimer over one pool's nodes and returns the new reclaim status. A failed API
+/// call is kept in `failures` and the other pods are still seen to, so the actions already
+/// taken stay in the history.
 pub async fn run(
     pool: &GpuPool,
     nodes: &[Arc<Node>],
@@ -51,7 +53,8 @@ pub async fn run(
     mut status: ReclaimStatus,
     ctx: &Context,
     now: Timestamp,
-) -> Result<ReclaimStatus> {
+    failures: &mut Failures,
+) -> ReclaimStatus {
     let policy = &pool.spec.reclaim;
     let pool_name = pool.name_any();
     let by_name: BTreeMap<String, &Arc<Node>> = nodes.iter().map(|n| (n.name_any(), n)).collect();
@@ -100,21 +103,29 @@ pub async fn run(
                 Decision::Warn {
                     idle_since,
                     reclaim_at,
-                } => {
-                    warn_pod(pool, &pod, idle_since, reclaim_at, ctx).await?;
-                    warned.insert(pod_key(&pod));
-                }
-                Decision::Unwarn(why) => {
-                    unwarn_pod(&pod, why, ctx).await?;
-                    warned.remove(&pod_key(&pod));
-                }
+                } => match warn_pod(pool, &pod, idle_since, reclaim_at, ctx).await {
+                    Ok(()) => {
+                        warned.insert(pod_key(&pod));
+                    }
+                    Err(e) => failures.push(e),
+                },
+                Decision::Unwarn(why) => match unwarn_pod(&pod, why, ctx).await {
+                    Ok(()) => {
+                        warned.remove(&pod_key(&pod));
+                    }
+                    Err(e) => failures.push(e),
+                },
                 Decision::Act(kind) => {
                     if !reclaim::rate_allows(&status, policy, now) {
                         info!(pod = %pod_key(&pod), "rate limit reached; action deferred");
                         continue;
                     }
-                    if act(pool, &pod, &kind, &mut status, ctx, now).await? {
-                        warned.remove(&pod_key(&pod));
+                    match act(pool, &pod, &kind, &mut status, ctx, now, failures).await {
+                        Ok(true) => {
+                            warned.remove(&pod_key(&pod));
+                        }
+                        Ok(false) => {}
+                        Err(e) => failures.push(e),
                     }
                 }
             }
@@ -122,7 +133,7 @@ pub async fn run(
     }
     status.warned = warned.len() as u32;
     let _ = pool_name;
-    Ok(status)
+    status
 }
 
 fn owner_ref(pod: &Pod, job: &str) -> ObjectReference {
@@ -159,7 +170,11 @@ async fn patch_annotations(pod: &Pod, annotations: serde_json::Value, ctx: &Cont
             Ok(())
         }
         Err(e) if api_code(&e) == Some(404) => Ok(()),
-        Err(e) => Err(Error::kube(format!("annotating pod {}", pod_key(pod)))(e)),
+        Err(e) => Err(Error::kube(
+            "patch",
+            "pods",
+            format!("annotating pod {}", pod_key(pod)),
+        )(e)),
     }
 }
 
@@ -263,7 +278,8 @@ struct Outcome {
 }
 
 /// Carries out (or, in dry run, checks) an action. Returns whether the pod is gone or its
-/// warning is settled.
+/// warning is settled. An action the API server refuses (RBAC) is recorded as failed like any
+/// other, and noted in `failures` for the pool's status.
 async fn act(
     pool: &GpuPool,
     pod: &Pod,
@@ -271,6 +287,7 @@ async fn act(
     status: &mut ReclaimStatus,
     ctx: &Context,
     now: Timestamp,
+    failures: &mut Failures,
 ) -> Result<bool> {
     let dry = pool.spec.reclaim.mode == ReclaimMode::DryRun;
     let key = pod_key(pod);
@@ -291,10 +308,11 @@ async fn act(
     let outcome = match kind {
         ActionKind::Suspend { job } => {
             let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
-            let current = jobs
-                .get_opt(job)
-                .await
-                .map_err(Error::kube(format!("reading Job {ns}/{job}")))?;
+            let current = jobs.get_opt(job).await.map_err(Error::kube(
+                "get",
+                "jobs",
+                format!("reading Job {ns}/{job}"),
+            ))?;
             match current {
                 None => return Ok(false),
                 Some(j) if j.spec.as_ref().and_then(|s| s.suspend) == Some(true) => {
@@ -324,10 +342,18 @@ async fn act(
                                 message: format!("suspended Job {job}"),
                             }
                         }
-                        Err(e) => Outcome {
-                            result: "Failed",
-                            message: format!("suspending Job {job} failed: {e}"),
-                        },
+                        Err(e) => {
+                            failures.note(
+                                "patch",
+                                "jobs",
+                                format!("suspending Job {ns}/{job}"),
+                                &e,
+                            );
+                            Outcome {
+                                result: "Failed",
+                                message: format!("suspending Job {job} failed: {e}"),
+                            }
+                        }
                     }
                 }
             }
@@ -361,10 +387,13 @@ async fn act(
                     ),
                 },
                 Err(e) if api_code(&e) == Some(404) => return Ok(true),
-                Err(e) => Outcome {
-                    result: "Failed",
-                    message: format!("eviction failed: {e}"),
-                },
+                Err(e) => {
+                    failures.note("create", "pods/eviction", format!("evicting pod {key}"), &e);
+                    Outcome {
+                        result: "Failed",
+                        message: format!("eviction failed: {e}"),
+                    }
+                }
             }
         }
         ActionKind::Delete => {
@@ -383,10 +412,13 @@ async fn act(
                     }
                 }
                 Err(e) if api_code(&e) == Some(404) => return Ok(true),
-                Err(e) => Outcome {
-                    result: "Failed",
-                    message: format!("delete failed: {e}"),
-                },
+                Err(e) => {
+                    failures.note("delete", "pods", format!("deleting pod {key}"), &e);
+                    Outcome {
+                        result: "Failed",
+                        message: format!("delete failed: {e}"),
+                    }
+                }
             }
         }
     };
