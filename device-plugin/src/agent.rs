@@ -160,6 +160,17 @@ fn read_topology(backend: &dyn GpuBackend) -> Topology {
     t
 }
 
+/// The CDI device names the kubelet plugins hand out, from the GpuNode's `deviceNameStrategies`:
+/// UUID names when they include `uuid` (stable across MIG re-layouts), else index names. GpuNode
+/// status reports the same names.
+pub fn cdi_naming(strategies: &[CdiDeviceNameStrategy]) -> CdiNaming {
+    if strategies.contains(&CdiDeviceNameStrategy::Uuid) {
+        CdiNaming::Uuid
+    } else {
+        CdiNaming::Index
+    }
+}
+
 /// The devices per resource the kubelet plugins should advertise.
 pub fn advertisement(
     inventory: &Inventory,
@@ -192,12 +203,7 @@ pub fn advertisement(
         CrdMigStrategy::Single => plugin::MigStrategy::Single,
         CrdMigStrategy::Mixed => plugin::MigStrategy::Mixed,
     };
-    let naming = if naming.contains(&CdiDeviceNameStrategy::Uuid) {
-        CdiNaming::Uuid
-    } else {
-        CdiNaming::Index
-    };
-    let resources = match plugin::resource_sets(&gpus, strategy, naming) {
+    let resources = match plugin::resource_sets(&gpus, strategy, cdi_naming(naming)) {
         Ok(r) => r,
         Err(e) => {
             tracing::warn!(error = %e, "cannot advertise devices for this MIG strategy");
@@ -947,7 +953,14 @@ impl LoopState {
             Some(Ok(inv)) => (
                 Some(inv.driver.driver_version.clone()),
                 Some(inv.driver.cuda_version.to_string()),
-                report::gpu_statuses(inv, health, &self.idle, &self.pods, &kind),
+                report::gpu_statuses(
+                    inv,
+                    health,
+                    &self.idle,
+                    &self.pods,
+                    &kind,
+                    cdi_naming(&gpunode.spec.cdi.device_name_strategies),
+                ),
             ),
             _ => (None, None, Vec::new()),
         };
@@ -1140,4 +1153,82 @@ async fn busy_gpus(backend: &Arc<dyn GpuBackend>, inv: &Inventory) -> BTreeSet<u
     })
     .await
     .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{CiProfileId, GiProfileId, ManualClock, SimBackend};
+    use crate::plugin::allocate::container_response;
+    use crate::plugin::{AllocateOptions, ResourceView};
+    use gpupool_crds::catalog;
+
+    /// An A30 with three MIG devices and an L4 (fixtures/mixed-small.yaml).
+    fn mig_inventory() -> Inventory {
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures")
+            .join("mixed-small.yaml");
+        let sim = SimBackend::from_file(&fixture, Arc::new(ManualClock::new())).unwrap();
+        let a30 = catalog::model_by_product_name("NVIDIA A30").unwrap();
+        for step in catalog::plan_layout(a30, &["1g.6gb", "2g.12gb", "1g.6gb"]).unwrap() {
+            let gi = sim
+                .create_gpu_instance(0, GiProfileId(step.profile.profile_id), Some(step.start))
+                .unwrap();
+            sim.create_compute_instance(0, gi.id, CiProfileId(step.profile.compute_slices - 1))
+                .unwrap();
+        }
+        Inventory::read(&sim).unwrap()
+    }
+
+    #[test]
+    fn status_reports_the_mig_cdi_names_allocate_hands_out() {
+        use CdiDeviceNameStrategy::{Index, Uuid};
+        let inv = mig_inventory();
+        let kind: CdiKind = "example.com/gpu".parse().unwrap();
+        let options = AllocateOptions {
+            cdi_kind: kind.clone(),
+            ..AllocateOptions::default()
+        };
+        for strategies in [vec![Index, Uuid], vec![Uuid], vec![Index], vec![]] {
+            let adv = advertisement(
+                &inv,
+                CrdMigStrategy::Mixed,
+                &strategies,
+                Arc::new(Topology::new()),
+            );
+            let statuses = report::gpu_statuses(
+                &inv,
+                &BTreeMap::new(),
+                &IdleTracker::new(1),
+                &BTreeMap::new(),
+                &kind,
+                cdi_naming(&strategies),
+            );
+            let migs: Vec<_> = statuses.iter().flat_map(|g| &g.mig_devices).collect();
+            assert_eq!(migs.len(), 3, "{strategies:?}");
+            for (j, m) in migs.iter().enumerate() {
+                // What Allocate answers for this device, through the plugin's own code.
+                let (resource, devices) = adv
+                    .resources
+                    .iter()
+                    .find(|(_, ds)| ds.iter().any(|d| d.id.as_str() == m.uuid))
+                    .unwrap_or_else(|| panic!("{} not advertised", m.uuid));
+                let view =
+                    ResourceView::new(resource.clone(), 1, devices.clone(), adv.topology.clone());
+                let response = container_response(&view, &[m.uuid.clone()], &options).unwrap();
+                let handed_out: Vec<&str> = response
+                    .cdi_devices
+                    .iter()
+                    .map(|d| d.name.as_str())
+                    .collect();
+                assert_eq!(handed_out, [m.cdi_name.as_str()], "{strategies:?}");
+                let want = if strategies.contains(&Uuid) {
+                    format!("example.com/gpu={}", m.uuid)
+                } else {
+                    format!("example.com/gpu=0:{j}")
+                };
+                assert_eq!(m.cdi_name, want, "{strategies:?}");
+            }
+        }
+    }
 }

@@ -12,7 +12,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
 use crate::inventory::Inventory;
-use crate::plugin::{Advertisement, CdiKind, Health};
+use crate::plugin::{Advertisement, CdiKind, CdiNaming, Health};
 use crate::utilization::IdleTracker;
 
 /// Field manager of every write the agent makes.
@@ -34,13 +34,15 @@ fn to_status(h: Option<&Health>) -> (StatusHealth, Option<String>) {
     }
 }
 
-/// The `gpus` list of GpuNode status.
+/// The `gpus` list of GpuNode status. MIG devices' `cdiName` is `cdi_kind` qualifying the name
+/// `naming` gives them: the one the kubelet plugins' `Allocate` hands out.
 pub fn gpu_statuses(
     inventory: &Inventory,
     health: &BTreeMap<String, Health>,
     idle: &IdleTracker,
     pods: &BTreeMap<String, Vec<PodRef>>,
     cdi_kind: &CdiKind,
+    naming: CdiNaming,
 ) -> Vec<GpuStatus> {
     inventory
         .gpus
@@ -80,7 +82,11 @@ pub fn gpu_statuses(
                         profile: m.profile.to_string(),
                         gpu_instance: m.gpu_instance.0,
                         compute_instance: m.compute_instance.0,
-                        cdi_name: cdi_kind.qualify(&format!("{}:{j}", g.device.index)),
+                        cdi_name: cdi_kind.qualify(&naming.mig_device_name(
+                            g.device.index,
+                            j as u32,
+                            m.uuid.as_str(),
+                        )),
                         health: h,
                         idleness: idle.idleness(
                             m.uuid.as_str(),

@@ -58,6 +58,25 @@ pub enum CdiNaming {
     Index,
 }
 
+impl CdiNaming {
+    /// The CDI device name (unqualified) of a whole GPU: what `Allocate` hands out for it.
+    pub fn gpu_device_name(self, gpu_index: u32, gpu_uuid: &str) -> String {
+        match self {
+            CdiNaming::Uuid => gpu_uuid.to_owned(),
+            CdiNaming::Index => gpu_index.to_string(),
+        }
+    }
+
+    /// The CDI device name (unqualified) of MIG device `mig_index` (its position on the GPU):
+    /// what `Allocate` hands out for it, and what GpuNode status reports.
+    pub fn mig_device_name(self, gpu_index: u32, mig_index: u32, mig_uuid: &str) -> String {
+        match self {
+            CdiNaming::Uuid => mig_uuid.to_owned(),
+            CdiNaming::Index => format!("{gpu_index}:{mig_index}"),
+        }
+    }
+}
+
 /// A GPU as the inventory describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuDescription {
@@ -198,10 +217,7 @@ pub fn resource_sets(
 fn whole_gpu(gpu: &GpuDescription, naming: CdiNaming) -> Result<AdvertisedDevice, ResourceError> {
     Ok(AdvertisedDevice {
         id: gpu.uuid.parse::<DeviceId>()?,
-        cdi_name: match naming {
-            CdiNaming::Uuid => gpu.uuid.clone(),
-            CdiNaming::Index => gpu.index.to_string(),
-        },
+        cdi_name: naming.gpu_device_name(gpu.index, &gpu.uuid),
         health: Health::Healthy,
         numa_node: gpu.numa_node,
         parent_gpu: gpu.index,
@@ -215,10 +231,7 @@ fn mig_device(
 ) -> Result<AdvertisedDevice, ResourceError> {
     Ok(AdvertisedDevice {
         id: mig.uuid.parse::<DeviceId>()?,
-        cdi_name: match naming {
-            CdiNaming::Uuid => mig.uuid.clone(),
-            CdiNaming::Index => format!("{}:{}", gpu.index, mig.index),
-        },
+        cdi_name: naming.mig_device_name(gpu.index, mig.index, &mig.uuid),
         health: Health::Healthy,
         numa_node: gpu.numa_node,
         parent_gpu: gpu.index,
