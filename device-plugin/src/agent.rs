@@ -1215,7 +1215,8 @@ mod tests {
                     .unwrap_or_else(|| panic!("{} not advertised", m.uuid));
                 let view =
                     ResourceView::new(resource.clone(), 1, devices.clone(), adv.topology.clone());
-                let response = container_response(&view, &[m.uuid.clone()], &options).unwrap();
+                let response =
+                    container_response(&view, std::slice::from_ref(&m.uuid), &options).unwrap();
                 let handed_out: Vec<&str> = response
                     .cdi_devices
                     .iter()
