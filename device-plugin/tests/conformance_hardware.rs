@@ -30,6 +30,10 @@ fn real_driver_enumerates_and_matches_the_catalog() {
         println!("{d:?}");
         println!("  health {:?}", nvml.health(d.index).unwrap());
         println!("  numa {:?}", nvml.numa_node(d.index).unwrap());
+        match nvml.persistence_mode(d.index) {
+            Ok(on) => println!("  persistence mode {}", if on { "on" } else { "off" }),
+            Err(e) => assert_eq!(e.kind(), ErrorKind::NotSupported, "{e}"),
+        }
         println!("  processes {:?}", nvml.processes(d.index).unwrap());
         match nvml.mig_mode(d.index) {
             Ok(mode) => println!("  MIG {mode:?}"),
