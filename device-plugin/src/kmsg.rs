@@ -20,14 +20,6 @@ use std::str::FromStr;
 /// Where the agent reads the kernel log by default.
 pub const DEFAULT_KMSG_PATH: &str = "/dev/kmsg";
 
-/// `O_NONBLOCK` of Linux's generic `fcntl.h`, which x86, Arm, RISC-V, PowerPC and s390 share;
-/// std exposes `custom_flags` but not the constant, and this crate does not depend on libc.
-const O_NONBLOCK: i32 = 0o4000;
-
-/// `EPIPE`: `/dev/kmsg` answers it once when records were overwritten before this reader got
-/// to them; the next read returns the oldest record still held.
-const EPIPE: i32 = 32;
-
 /// A record is at most 8 KiB in `/dev/kmsg`; a read with a smaller buffer fails.
 const READ_BUFFER: usize = 16 * 1024;
 
@@ -216,7 +208,7 @@ impl KernelLog {
                 self.partial.clear();
                 OpenOptions::new()
                     .read(true)
-                    .custom_flags(O_NONBLOCK)
+                    .custom_flags(libc::O_NONBLOCK)
                     .open(&self.path)
                     .map_err(|source| KmsgError::Open {
                         path: self.path.clone(),
@@ -238,7 +230,9 @@ impl KernelLog {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.raw_os_error() == Some(EPIPE) => {
+                // `/dev/kmsg` answers EPIPE once when records were overwritten before this
+                // reader got to them; the next read returns the oldest record still held.
+                Err(e) if e.raw_os_error() == Some(libc::EPIPE) => {
                     tracing::debug!(path = %self.path.display(), "kernel log records were overwritten before they were read");
                 }
                 Err(source) => {
