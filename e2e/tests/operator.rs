@@ -1,6 +1,7 @@
 //! The operator against the real control plane: pools become Ready from the agents' reports,
-//! membership follows node labels, overlapping pools conflict, deletion cleans up, and a
-//! standby replica takes over when the leader dies.
+//! membership follows node labels, overlapping pools conflict, deletion cleans up, a refused
+//! API call shows in the pool's status until it goes through, and a standby replica takes over
+//! when the leader dies.
 
 #[path = "operator_support.rs"]
 mod support;
@@ -8,12 +9,14 @@ mod support;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use gpupool_crds::labels::DRIVER_INVALID_TAINT;
+use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_LABEL};
 use gpupool_crds::node::CheckResult;
 use gpupool_crds::{GpuNode, GpuPool};
 use gpupool_e2e::{Cluster, TestScope, crds, wait};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt};
 use serde_json::json;
 use support::*;
@@ -339,5 +342,199 @@ async fn a_standby_replica_takes_over_when_the_leader_dies() -> Result<()> {
         .await
         .with_context(|| b.log_tail())?;
     wait_gpunode_gone(&client, &n).await?;
+    Ok(())
+}
+
+/// A ValidatingAdmissionPolicy, and its binding, refusing with 403 the pool label on one
+/// node: the API server answers the operator's label patch as it would a ClusterRole without
+/// `patch` on nodes. Returns the binding's name.
+fn refuse_pool_label(cluster: &Cluster, scope: &TestScope, node: &str) -> Result<String> {
+    let policy = scope.name("no-pool-label");
+    let binding = scope.name("no-pool-label");
+    let (k, v) = scope.label();
+    scope.track_kind("validatingadmissionpolicies.admissionregistration.k8s.io");
+    scope.track_kind("validatingadmissionpolicybindings.admissionregistration.k8s.io");
+    let manifest = json!({
+        "apiVersion": "v1",
+        "kind": "List",
+        "items": [
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "ValidatingAdmissionPolicy",
+                "metadata": { "name": policy, "labels": { k: v } },
+                "spec": {
+                    "failurePolicy": "Fail",
+                    "matchConstraints": { "resourceRules": [{
+                        "apiGroups": [""], "apiVersions": ["v1"],
+                        "operations": ["UPDATE"], "resources": ["nodes"],
+                    }] },
+                    "matchConditions": [{
+                        "name": "this-node",
+                        "expression": format!("object.metadata.name == '{node}'"),
+                    }],
+                    "validations": [{
+                        "expression": format!(
+                            "!has(object.metadata.labels) || !('{POOL_LABEL}' in object.metadata.labels)"
+                        ),
+                        "reason": "Forbidden",
+                        "message": "e2e: no pool label on this node",
+                    }],
+                },
+            },
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "ValidatingAdmissionPolicyBinding",
+                "metadata": { "name": binding, "labels": { k: v } },
+                "spec": { "policyName": policy, "validationActions": ["Deny"] },
+            },
+        ],
+    });
+    cluster
+        .kubectl()
+        .run_with_stdin(["create", "-f", "-"], Some(&manifest.to_string()))?;
+    Ok(binding)
+}
+
+/// The Events about a cluster-scoped object (kube's recorder files them in `default`).
+async fn cluster_events(client: &kube::Client, name: &str) -> Result<Vec<Event>> {
+    let api: Api<Event> = Api::namespaced(client.clone(), "default");
+    Ok(api
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .collect())
+}
+
+fn api_errors(pool: &GpuPool) -> Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    pool.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "APIErrors")
+        .cloned()
+}
+
+#[tokio::test]
+async fn a_refused_node_patch_shows_in_the_pool_status_until_it_goes_through() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let scope = TestScope::new(cluster, "op-refused")?;
+    let client = cluster.client().await?;
+    let node = create_node(
+        cluster,
+        &scope,
+        &scope.name("n1"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[],
+    )?;
+    let binding = refuse_pool_label(cluster, &scope, &node)?;
+    // Policies take effect a moment after they are created: wait until a dry run is refused.
+    let nodes: Api<Node> = Api::all(client.clone());
+    wait::poll("the admission policy in force", REACT, POLL, || {
+        let nodes = nodes.clone();
+        let node = node.clone();
+        async move {
+            let dry = PatchParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            let patch = json!({ "metadata": { "labels": { POOL_LABEL: "x" } } });
+            match nodes.patch(&node, &dry, &Patch::Merge(&patch)).await {
+                Err(kube::Error::Api(s)) if s.code == 403 => Ok(Some(())),
+                _ => Ok(None),
+            }
+        }
+    })
+    .await?;
+
+    let op = Operator::start(cluster, &scope, "only", &scope.name("lease"))?;
+    let pool_name = scope.name("train");
+    let (k, v) = scope.label();
+    apply_pool(
+        &client,
+        &scope,
+        &pool_name,
+        json!({ "nodeSelector": { "matchLabels": { k: v } } }),
+    )
+    .await?;
+
+    // The status names the refused call and what to check; the pool is not Ready.
+    let pool = wait_pool(&client, &pool_name, "APIErrors True", |p| {
+        api_errors(p).is_some_and(|c| c.status == "True")
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    let c = api_errors(&pool).context("no APIErrors condition")?;
+    eprintln!("operator e2e: APIErrors {}: {}", c.reason, c.message);
+    assert_eq!(c.reason, "Forbidden", "{c:?}");
+    for part in [
+        "the operator cannot patch nodes: forbidden",
+        "check the chart's ClusterRole",
+        &format!("labelling/tainting node {node}"),
+        "e2e: no pool label on this node",
+    ] {
+        assert!(c.message.contains(part), "{part:?} not in {}", c.message);
+    }
+    let ready = pool
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
+        .context("no Ready condition")?;
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "APIErrors")
+    );
+    // The GpuNode was still written: a refused call does not stop the rest.
+    wait_gpunode(&client, &node, |_| true).await?;
+    let warning = wait::poll("APIErrorsTrue Event on the pool", REACT, POLL, || async {
+        Ok(cluster_events(&client, &pool_name)
+            .await?
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("APIErrorsTrue")))
+    })
+    .await?;
+    assert_eq!(warning.type_.as_deref(), Some("Warning"));
+
+    // Lift the refusal: the label goes on and the condition clears, with an Event. The
+    // operator retries with a growing backoff; a touch of the pool brings the retry forward.
+    cluster.kubectl().run([
+        "delete",
+        "validatingadmissionpolicybinding",
+        &binding,
+        "--wait=true",
+    ])?;
+    let pools: Api<GpuPool> = Api::all(client.clone());
+    pools
+        .patch(
+            &pool_name,
+            &PatchParams::default(),
+            &Patch::Merge(
+                &json!({ "metadata": { "annotations": { "e2e.gpupool.io/nudge": "1" } } }),
+            ),
+        )
+        .await?;
+    wait_pool_label(&client, &node, Some(&pool_name))
+        .await
+        .with_context(|| op.log_tail())?;
+    let pool = wait_pool(&client, &pool_name, "APIErrors False", |p| {
+        api_errors(p).is_some_and(|c| c.status == "False")
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    assert_eq!(
+        api_errors(&pool).map(|c| c.reason).as_deref(),
+        Some("NoErrors")
+    );
+    let cleared = wait::poll("APIErrorsFalse Event on the pool", REACT, POLL, || async {
+        Ok(cluster_events(&client, &pool_name)
+            .await?
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("APIErrorsFalse")))
+    })
+    .await?;
+    assert_eq!(cleared.type_.as_deref(), Some("Normal"));
+    delete_pool(&client, &pool_name).await?;
     Ok(())
 }
