@@ -17,6 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -83,6 +84,8 @@ struct NodeHost {
     kubelet: PathBuf,
     cdi: PathBuf,
     driver_root: PathBuf,
+    /// Stands in for `/dev/kmsg`: the kernel log the agent reads Xids from.
+    kmsg: PathBuf,
 }
 
 impl NodeHost {
@@ -95,10 +98,12 @@ impl NodeHost {
             kubelet: dir.join("kubelet"),
             cdi: dir.join("cdi"),
             driver_root: dir.join("driver"),
+            kmsg: dir.join("kmsg"),
             dir,
         };
         fs::create_dir_all(host.kubelet.join("device-plugins"))?;
         fs::write(&host.fixture, fixture_yaml)?;
+        fs::write(&host.kmsg, "6,1,1000,-;Linux version 6.1.0 (e2e)\n")?;
         fake_driver_root(&host.driver_root, DRIVER, gpus)?;
         Ok(host)
     }
@@ -149,6 +154,8 @@ impl Agent {
             .arg(&host.driver_root)
             .arg("--proc-root")
             .arg(host.driver_root.join("proc"))
+            .arg("--kmsg-path")
+            .arg(&host.kmsg)
             .args([
                 "--metrics-addr",
                 "127.0.0.1:0",
@@ -610,6 +617,40 @@ async fn agent_reports_failed_validation_with_message_and_event() -> Result<()> 
     )
     .await?;
     wait_event(&client, &node, "ValidationPassed").await?;
+
+    // The kernel logs a fatal Xid for GPU 0 (as the driver would, by PCI address): the XidErrors
+    // check fails naming the GPU. The fixture's driver is older than the agent's start, so the
+    // kernel log is how an Xid from before the agent started is seen.
+    let pci = status.gpus[0].pci_bus_id.to_ascii_lowercase();
+    let kernel_form = pci
+        .rsplit_once('.')
+        .map(|(a, _)| a)
+        .and_then(|a| a.get(a.len().saturating_sub(10)..))
+        .with_context(|| format!("odd PCI bus id {pci}"))?
+        .to_owned();
+    let mut log = fs::OpenOptions::new().append(true).open(&host.kmsg)?;
+    writeln!(
+        log,
+        "3,2,2000,-;NVRM: Xid (PCI:{kernel_form}): 79, pid=0, name=, GPU has fallen off the bus."
+    )?;
+    drop(log);
+    let gn = wait_status(
+        &client,
+        &node,
+        "XidErrors failed from the kernel log",
+        Duration::from_secs(30),
+        |s| s.checks.iter().any(|c| c.name == "XidErrors" && !c.passed),
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let xid = gn
+        .status
+        .unwrap_or_default()
+        .checks
+        .into_iter()
+        .find(|c| c.name == "XidErrors")
+        .context("no XidErrors check")?;
+    ensure!(xid.message.ends_with("GPU 0: Xid 79"), "{}", xid.message);
 
     // The ECC fault: the GPU turns unhealthy, the ECC check fails, each with an Event.
     let gn = wait_status(

@@ -206,6 +206,7 @@ fn fake_host(dir: &Path, node: &str) -> Result<()> {
 fn start_agent(node: &str, kubeconfig: &Path, dir: &Path) -> Result<Process> {
     fake_host(dir, node)?;
     let host = dir.join("host");
+    fs::write(host.join("kmsg"), "")?;
     let (log, out, err) = log_file(dir, "agent.log")?;
     let child = Command::new(agent_binary()?)
         .arg("--node-name")
@@ -220,6 +221,9 @@ fn start_agent(node: &str, kubeconfig: &Path, dir: &Path) -> Result<Process> {
         .arg(host.join("driver"))
         .arg("--proc-root")
         .arg(host.join("driver/proc"))
+        // An empty kernel log: the host's own /dev/kmsg is not this fake node's.
+        .arg("--kmsg-path")
+        .arg(host.join("kmsg"))
         .args([
             "--metrics-addr",
             "127.0.0.1:0",
