@@ -1,8 +1,8 @@
 //! gpupool operator: reconciles GpuPools into per-node GpuNodes, folds the node agents'
 //! reports into pool status, coordinates MIG drains, and reclaims idle GPU pods.
 //!
-//! Decisions live in pure functions ([`pool`], [`layout`], [`reclaim`], [`demand`]); [`controller`],
-//! [`drain`] and [`reclaim_run`] do the I/O around them.
+//! Decisions live in pure functions ([`pool`], [`layout`], [`reclaim`], [`demand`]);
+//! [`controller`], [`drain`] and [`reclaim_run`] do the I/O around them.
 
 pub mod controller;
 pub mod demand;
