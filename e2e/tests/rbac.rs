@@ -522,8 +522,20 @@ async fn operator_missing_a_verb_says_forbidden_and_recovers() -> Result<()> {
     .with_context(|| operator.log_tail())?;
     eprintln!("rbac: the operator logged: {line}");
     ensure!(operator.is_running(), "{}", operator.log_tail());
-    let gp = op::wait_pool(&admin, &pool, "the pool (unreconciled)", |_| true).await?;
-    assert_ne!(op::condition(&gp, "Ready").as_deref(), Some("True"));
+    let gp = op::wait_pool(&admin, &pool, "APIErrors names the refused verb", |p| {
+        p.status.as_ref().is_some_and(|s| {
+            s.conditions.iter().any(|c| {
+                c.type_ == "APIErrors"
+                    && c.status == "True"
+                    && c.reason == "Forbidden"
+                    && c.message.contains("the operator cannot patch nodes: forbidden")
+                    && c.message.contains("check the chart's ClusterRole")
+            })
+        })
+    })
+    .await
+    .with_context(|| operator.log_tail())?;
+    assert_eq!(op::condition(&gp, "Ready").as_deref(), Some("False"));
 
     // Put the verb back: the next retry labels the node.
     let mut restored: serde_json::Value = serde_json::from_str(&original)?;
@@ -544,6 +556,11 @@ async fn operator_missing_a_verb_says_forbidden_and_recovers() -> Result<()> {
             }
         },
     )
+    .await
+    .with_context(|| operator.log_tail())?;
+    op::wait_pool(&admin, &pool, "APIErrors cleared", |p| {
+        op::condition(p, "APIErrors").as_deref() == Some("False")
+    })
     .await
     .with_context(|| operator.log_tail())?;
     op::delete_pool(&admin, &pool)
