@@ -259,7 +259,8 @@ pub struct MigDeviceStatus {
     pub gpu_instance: u32,
     /// Compute instance id.
     pub compute_instance: u32,
-    /// CDI device name, e.g. `gpupool.io/gpu=0:1`.
+    /// The CDI device name Allocate hands out for it: `gpupool.io/gpu=MIG-<uuid>` with the `uuid`
+    /// naming strategy, else `gpupool.io/gpu=0:1` (GPU 0, MIG device 1).
     pub cdi_name: String,
     /// Health.
     #[serde(default)]

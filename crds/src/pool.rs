@@ -88,7 +88,7 @@ pub struct GpuPoolStatus {
     #[serde(default)]
     pub reclaim: ReclaimStatus,
 
-    /// `Ready`, `DriverValid`, `CDIReady`, `MIGApplied`, `Conflict`, `Degraded`.
+    /// `Ready`, `DriverValid`, `CDIReady`, `MIGApplied`, `Conflict`, `Degraded`, `APIErrors`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
 
