@@ -486,7 +486,7 @@ fn find_libraries(
         _ => tracing::debug!(reason = %reason, "scanning library directories"),
     }
     files.library_source = LibrarySource::DirectoryScan(reason);
-    scan_library_dirs(root, version)
+    scan_library_dirs(root, version, arch)
 }
 
 /// The library files of this driver version that the root's ld.so.cache leads to, for
@@ -563,10 +563,19 @@ fn libraries_from_ldcache(
 }
 
 /// The library files of this driver version in the known library directories, as paths
-/// relative to `root`.
-fn scan_library_dirs(root: &Path, version: &str) -> Vec<String> {
+/// relative to `root`. With a known `arch`, the multiarch directory of the other architecture
+/// is left out: a container could not load those libraries.
+fn scan_library_dirs(root: &Path, version: &str, arch: Option<CacheFlags>) -> Vec<String> {
+    let foreign = match arch {
+        Some(CacheFlags::X86_64_LIBC6) => Some("aarch64-linux-gnu"),
+        Some(CacheFlags::AARCH64_LIBC6) => Some("x86_64-linux-gnu"),
+        _ => None,
+    };
     let mut found = Vec::new();
     for dir in LIBRARY_DIRS {
+        if foreign.is_some_and(|triple| dir.ends_with(triple)) {
+            continue;
+        }
         let Ok(entries) = fs::read_dir(root.join(dir)) else {
             continue;
         };

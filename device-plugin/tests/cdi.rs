@@ -696,9 +696,9 @@ fn without_a_usable_cache_the_directories_are_scanned() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("driver");
     let entries = root_for_cache(&root, version);
-    // The scan goes through every known directory, the AArch64 one included.
+    // The scan goes through the known directories of this architecture: the AArch64 library is
+    // left out on x86-64.
     let scanned = [
-        format!("/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.{version}"),
         format!("/{LIBS}/libcuda.so.{version}"),
         format!("/{LIBS}/libnvidia-ml.so.{version}"),
         format!("/{LIBS}/libnvidia-nvvm.so.{version}"),
@@ -712,11 +712,27 @@ fn without_a_usable_cache_the_directories_are_scanned() {
     };
     check(ScanReason::CacheMissing);
 
-    // Unknown architecture: the cache is not consulted.
+    // Unknown architecture: the cache is not consulted, and every directory is scanned.
     let host = cdi::discover_host_files_for_arch(&root, version, &[], None).unwrap();
     assert_eq!(
         host.library_source,
         LibrarySource::DirectoryScan(ScanReason::UnknownArchitecture)
+    );
+    assert!(
+        libraries(&host)
+            .iter()
+            .any(|l| *l == format!("/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.{version}")),
+        "{host:?}"
+    );
+    // On AArch64 the x86-64 directory is the one left out.
+    fs::remove_file(root.join("etc/ld.so.cache")).ok();
+    let arm = cdi::discover_host_files_for_arch(&root, version, &[], Some(ARM)).unwrap();
+    assert_eq!(
+        libraries(&arm),
+        [format!(
+            "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.{version}"
+        )],
+        "{arm:?}"
     );
 
     // Every truncation of a good cache: an unreadable cache, and the scan.

@@ -528,7 +528,8 @@ async fn operator_missing_a_verb_says_forbidden_and_recovers() -> Result<()> {
                 c.type_ == "APIErrors"
                     && c.status == "True"
                     && c.reason == "Forbidden"
-                    && c.message.contains("the operator cannot patch nodes: forbidden")
+                    && c.message
+                        .contains("the operator cannot patch nodes: forbidden")
                     && c.message.contains("check the chart's ClusterRole")
             })
         })
