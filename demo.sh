@@ -26,6 +26,9 @@ REPO=$PWD
 export PATH=$HOME/.cargo/bin:/usr/local/go/bin:$PATH
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/gpupool/target}
 DEMO=$REPO/target/demo
+# The fake nodes' host directories hold the plugins' unix sockets, whose paths must fit the
+# 108 bytes of sun_path: under a deep checkout, target/ is too long, so they live in /tmp.
+HOSTS=${GPUPOOL_DEMO_HOSTS:-${TMPDIR:-/tmp}/gpupool-demo-$(id -u)}
 NS=gpupool-system
 RELEASE=gpupool
 AGENT_NS=$RELEASE-node
@@ -72,7 +75,7 @@ if [[ ${1:-up} == down ]]; then
     stop_processes
     step "taking the control plane down"
     e2e/cluster down
-    rm -rf "$DEMO"
+    rm -rf "$DEMO" "$HOSTS"
     exit 0
 elif [[ ${1:-up} != up ]]; then
     die "usage: $0 [up|down]"
@@ -164,6 +167,7 @@ fake_host() {
     mkdir -p "$root/dev/nvidia-caps" "$root/proc/driver/nvidia-caps" "$root/proc/driver/nvidia" \
         "$root/usr/lib/x86_64-linux-gnu" "$root/usr/bin" "$dir/kubelet/device-plugins" "$dir/cdi"
     touch "$root"/dev/{nvidiactl,nvidia-uvm,nvidia-uvm-tools,nvidia-modeset} "$root/usr/bin/nvidia-smi"
+    : >"$dir/kmsg"   # the kernel log the XidErrors check reads: empty, no Xid since boot
     {
         echo "config 1"
         echo "monitor 2"
@@ -205,7 +209,7 @@ step "starting one node agent per node (simulated GPUs), each with a token bound
 port=$(free_port 28090)
 for row in "${NODE_GPUS[@]}"; do
     read -r node model gpus ver cuda <<<"$row"
-    host=$DEMO/hosts/$node
+    host=$HOSTS/$node
     fake_host "$host" "$ver" "$gpus"
     cat >"$host/fixture.yaml" <<EOF
 node: $node
@@ -227,6 +231,7 @@ EOF
         --node-name "$node" --backend sim --fixture "$host/fixture.yaml" \
         --kubelet-dir "$host/kubelet" --cdi-dir "$host/cdi" \
         --driver-root "$host/driver" --proc-root "$host/driver/proc" \
+        --kmsg-path "$host/kmsg" \
         --metrics-addr "127.0.0.1:$port" --validate-interval-secs 10
     echo "agent on $node: $gpus x $model, driver $ver; log $DEMO/logs/agent-$node.log, metrics http://127.0.0.1:$port/metrics"
     port=$((port + 1))
@@ -322,7 +327,7 @@ agents (local processes, logs in target/demo/logs/). To explore:
   kubectl describe gpupools training           # conditions, per-node problems, events
   kubectl get gpunode gpu-node-0 -o yaml       # what the agent reports: GPUs, MIG devices, checks, CDI
   kubectl get node gpu-node-1 -o jsonpath='{.spec.taints}'   # the driver-invalid taint
-  cat target/demo/hosts/gpu-node-0/cdi/gpupool-nvidia.yaml   # the CDI spec the agent wrote
+  cat $HOSTS/gpu-node-0/cdi/gpupool-nvidia.yaml   # the CDI spec the agent wrote
   curl -s http://127.0.0.1:$OPERATOR_PORT/metrics | grep gpupool_
   kubectl apply -f crds/tests/invalid/10-mig-too-many-slices.yaml   # admission rejects it
 Tear down (local processes and the control plane):
