@@ -11,6 +11,7 @@
 //! writes per node (the operator's own `gpupool_api_writes_total`); the operator's peak RSS
 //! (VmHWM); writes per minute in steady state. Without KUBECONFIG it says so and exits.
 //! Environment: `SCALE_NODES` (default 1000), `SCALE_STEADY_SECS` (default 60),
+//! `SCALE_TIMEOUT_SECS` (how long to wait for the reports and for Ready; default 600),
 //! `GPUPOOL_OPERATOR_BIN` (default `$CARGO_TARGET_DIR/debug/gpupool-operator`).
 
 use std::collections::BTreeMap;
@@ -115,6 +116,28 @@ fn status_for(gn: &GpuNode) -> serde_json::Value {
     json!({ "apiVersion": "gpupool.io/v1alpha1", "kind": "GpuNode", "status": status })
 }
 
+/// Removes the bench pool (dropping its finalizer: no operator runs) and its GpuNodes.
+async fn clear_stale_pool(pools: &Api<GpuPool>, gpunodes: &Api<GpuNode>) -> BoxResult<()> {
+    if pools.get_opt(POOL).await?.is_some() {
+        println!("removing the pool {POOL} left by an earlier run");
+        pools
+            .patch(
+                POOL,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({ "metadata": { "finalizers": null } })),
+            )
+            .await?;
+        let _ = pools.delete(POOL, &DeleteParams::default()).await;
+    }
+    gpunodes
+        .delete_collection(
+            &DeleteParams::default(),
+            &ListParams::default().labels(&format!("gpupool.io/pool={POOL}")),
+        )
+        .await?;
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> BoxResult<()> {
     // `cargo test --all-targets` runs bench binaries too, without `--bench`: never start a
@@ -129,10 +152,15 @@ async fn main() -> BoxResult<()> {
     }
     let n = env_num("SCALE_NODES", 1000);
     let steady = env_num("SCALE_STEADY_SECS", 60);
+    let timeout = Duration::from_secs(env_num("SCALE_TIMEOUT_SECS", 600));
     let client = Client::try_default().await?;
     let nodes: Api<Node> = Api::all(client.clone());
     let pools: Api<GpuPool> = Api::all(client.clone());
     let gpunodes: Api<GpuNode> = Api::all(client.clone());
+
+    // A run killed midway leaves its pool behind, finalizer and all, and its status would
+    // read as Ready at once: start from nothing.
+    clear_stale_pool(&pools, &gpunodes).await?;
 
     println!("creating {n} kwok nodes × 8 GPUs");
     stream::iter(0..n)
@@ -194,7 +222,7 @@ async fn main() -> BoxResult<()> {
     // Fleet simulator: report every GpuNode once it exists.
     let lp = ListParams::default().labels(&format!("gpupool.io/pool={POOL}"));
     let mut reported: BTreeMap<String, ()> = BTreeMap::new();
-    let deadline = Instant::now() + Duration::from_secs(600);
+    let deadline = Instant::now() + timeout;
     while (reported.len() as u64) < n && Instant::now() < deadline {
         let list = gpunodes.list(&lp).await?;
         let todo: Vec<GpuNode> = list
@@ -253,7 +281,10 @@ async fn main() -> BoxResult<()> {
                 t.saturating_duration_since(last_report).as_secs_f64()
             );
         }
-        None => println!("the pool did not become Ready within 600 s"),
+        None => println!(
+            "the pool did not become Ready within {} s of the apply",
+            timeout.as_secs()
+        ),
     }
     println!(
         "operator API writes: {writes_at_ready} ({:.2} per node), reconciles: {reconciles}",
@@ -266,13 +297,16 @@ async fn main() -> BoxResult<()> {
     );
     println!("operator peak RSS (VmHWM): {rss_mib:.1} MiB");
 
-    // Clean up: the pool (the operator finalizes it), then the nodes.
+    // Clean up: the pool (the operator finalizes it; given as long again as the run had),
+    // then the nodes. A pool the operator could not finalize in time is cleared by hand.
     pools.delete(POOL, &DeleteParams::default()).await?;
-    while pools.get_opt(POOL).await?.is_some() && Instant::now() < deadline {
+    let cleanup_deadline = Instant::now() + timeout;
+    while pools.get_opt(POOL).await?.is_some() && Instant::now() < cleanup_deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let _ = op.kill();
     let _ = op.wait();
+    clear_stale_pool(&pools, &gpunodes).await?;
     nodes
         .delete_collection(
             &DeleteParams::default(),
