@@ -852,6 +852,18 @@ async fn agent_applies_mig_layout_and_completes_it_after_kill_9() -> Result<()> 
     }
     ensure!(text.contains("/dev/nvidia-caps/nvidia-cap"));
 
+    // The recorder samples every 100 ms: give it the time to see the Applied that
+    // `wait_status` already saw, before judging the order.
+    let _ = poll(
+        "the recorder to see Applied",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            let last = states.lock().ok().and_then(|v| v.last().copied());
+            async move { Ok((last == Some(MigState::Applied)).then_some(())) }
+        },
+    )
+    .await;
     let seen = states.lock().map(|v| v.clone()).unwrap_or_default();
     let pos = |s: MigState| seen.iter().position(|x| *x == s);
     ensure!(
