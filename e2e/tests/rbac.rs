@@ -17,7 +17,6 @@ mod chart;
 mod op;
 
 use std::fs;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -26,6 +25,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use chart::{Release, service_account_kubeconfig};
 use gpupool_crds::labels::{POOL_LABEL, PRODUCT_LABEL};
+use gpupool_e2e::agent::{agent_binaries, fake_driver_root};
 use gpupool_e2e::wait::poll;
 use gpupool_e2e::{Cluster, TestScope, crds, repo_root};
 use k8s_openapi::api::core::v1::Pod;
@@ -37,46 +37,16 @@ const DRIVER: &str = "550.54.15";
 const POLL: Duration = Duration::from_millis(250);
 const REACT: Duration = Duration::from_secs(90);
 
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("target"))
-}
-
 /// The agent binary, built once per test process and copied out of the shared target
 /// directory (others may rebuild it meanwhile).
 fn agent_binary() -> Result<PathBuf> {
     static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     BUILT
         .get_or_init(|| {
-            let build = || -> Result<PathBuf> {
-                let status =
-                    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-                        .current_dir(repo_root())
-                        .args([
-                            "build",
-                            "-p",
-                            "gpupool-device-plugin",
-                            "--bin",
-                            "gpupool-device-plugin",
-                        ])
-                        .env("CARGO_TARGET_DIR", target_dir())
-                        .stdin(Stdio::null())
-                        .status()
-                        .context("running cargo build for the agent")?;
-                ensure!(
-                    status.success(),
-                    "cargo build of the agent failed ({status})"
-                );
-                let private =
-                    repo_root().join(format!("target/e2e-rbac-bin/{}", std::process::id()));
-                fs::create_dir_all(&private)?;
-                let copy = private.join("gpupool-device-plugin");
-                fs::copy(target_dir().join("debug/gpupool-device-plugin"), &copy)?;
-                fs::set_permissions(&copy, fs::Permissions::from_mode(0o755))?;
-                Ok(copy)
-            };
-            build().map_err(|e| format!("{e:#}"))
+            let private = repo_root().join(format!("target/e2e-rbac-bin/{}", std::process::id()));
+            agent_binaries(&private)
+                .map(|(agent, _nvml)| agent)
+                .map_err(|e| format!("{e:#}"))
         })
         .clone()
         .map_err(|e| anyhow::anyhow!(e))
@@ -164,33 +134,9 @@ fn start_operator(
 /// nodes are plain files.
 fn fake_host(dir: &Path, node: &str) -> Result<()> {
     let _ = fs::remove_dir_all(dir.join("host"));
-    let root = dir.join("host/driver");
-    let write = |rel: &str, content: &str| -> Result<()> {
-        let path = root.join(rel);
-        fs::create_dir_all(path.parent().context("no parent")?)?;
-        fs::write(path, content)?;
-        Ok(())
-    };
-    for n in [
-        "nvidiactl",
-        "nvidia-uvm",
-        "nvidia-uvm-tools",
-        "nvidia0",
-        "nvidia1",
-    ] {
-        write(&format!("dev/{n}"), "")?;
-    }
-    write(
-        "proc/driver/nvidia-caps/mig-minors",
-        "config 1\nmonitor 2\n",
-    )?;
-    write(
-        "proc/driver/nvidia/version",
-        &format!("NVRM version: NVIDIA UNIX x86_64 Kernel Module  {DRIVER}\n"),
-    )?;
-    for lib in ["libcuda", "libnvidia-ml"] {
-        write(&format!("usr/lib/x86_64-linux-gnu/{lib}.so.{DRIVER}"), "")?;
-    }
+    fake_driver_root(&dir.join("host/driver"), DRIVER, 2)?;
+    // An empty kernel log: the host's own /dev/kmsg is not this fake node's.
+    fs::write(dir.join("host/kmsg"), "")?;
     fs::create_dir_all(dir.join("host/kubelet/device-plugins"))?;
     fs::create_dir_all(dir.join("host/cdi"))?;
     fs::write(
@@ -206,7 +152,6 @@ fn fake_host(dir: &Path, node: &str) -> Result<()> {
 fn start_agent(node: &str, kubeconfig: &Path, dir: &Path) -> Result<Process> {
     fake_host(dir, node)?;
     let host = dir.join("host");
-    fs::write(host.join("kmsg"), "")?;
     let (log, out, err) = log_file(dir, "agent.log")?;
     let child = Command::new(agent_binary()?)
         .arg("--node-name")
@@ -221,7 +166,6 @@ fn start_agent(node: &str, kubeconfig: &Path, dir: &Path) -> Result<Process> {
         .arg(host.join("driver"))
         .arg("--proc-root")
         .arg(host.join("driver/proc"))
-        // An empty kernel log: the host's own /dev/kmsg is not this fake node's.
         .arg("--kmsg-path")
         .arg(host.join("kmsg"))
         .args([
