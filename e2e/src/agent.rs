@@ -6,10 +6,15 @@ use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
+use gpupool_crds::GpuNode;
+use gpupool_crds::node::GpuNodeStatus;
+use kube::{Api, Client};
 
 use crate::repo_root;
+use crate::wait::poll;
 
 /// The cargo target directory the tests were built into.
 pub fn target_dir() -> PathBuf {
@@ -70,6 +75,26 @@ pub fn agent_binaries(dir: &Path) -> Result<(PathBuf, PathBuf)> {
     fs::copy(&nvml, &nvml_copy).with_context(|| format!("copying {}", nvml.display()))?;
     fs::set_permissions(&agent_copy, fs::Permissions::from_mode(0o755))?;
     Ok((agent_copy, nvml_copy))
+}
+
+/// Waits until the status the agent wrote on GpuNode `name` satisfies `pred`.
+pub async fn wait_status(
+    client: &Client,
+    name: &str,
+    what: &str,
+    timeout: Duration,
+    pred: impl Fn(&GpuNodeStatus) -> bool,
+) -> Result<GpuNode> {
+    let api: Api<GpuNode> = Api::all(client.clone());
+    let pred = &pred;
+    poll(what, timeout, Duration::from_millis(250), || {
+        let api = api.clone();
+        async move {
+            let gn = api.get(name).await?;
+            Ok(gn.status.as_ref().is_some_and(pred).then_some(gn))
+        }
+    })
+    .await
 }
 
 /// A driver root as a driver installs it, with device nodes as plain files: control nodes, one

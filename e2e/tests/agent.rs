@@ -25,10 +25,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result, ensure};
-use gpupool_crds::node::{GpuMigSpec, GpuNodeStatus, MigState, NodeMigSpec, UtilizationSpec};
+use gpupool_crds::node::{GpuMigSpec, MigState, NodeMigSpec, UtilizationSpec};
 use gpupool_crds::policy::{CdiDeviceNameStrategy, DriverPolicy, MigStrategy};
 use gpupool_crds::{GpuNode, GpuNodeSpec};
-use gpupool_e2e::agent::{agent_binaries, fake_driver_root};
+use gpupool_e2e::agent::{agent_binaries, fake_driver_root, wait_status};
 use gpupool_e2e::wait::poll;
 use gpupool_e2e::{Cluster, FAKE_NODE_LABEL, TestScope, crds, repo_root};
 use k8s_openapi::api::core::v1::{Event, Node};
@@ -255,26 +255,6 @@ fn base_spec(pool: &str) -> GpuNodeSpec {
             sample_interval: Duration::from_secs(1).into(),
         },
     }
-}
-
-/// Waits until the GpuNode's status satisfies `pred`.
-async fn wait_status(
-    client: &Client,
-    name: &str,
-    what: &str,
-    timeout: Duration,
-    pred: impl Fn(&GpuNodeStatus) -> bool,
-) -> Result<GpuNode> {
-    let api: Api<GpuNode> = Api::all(client.clone());
-    let pred = &pred;
-    poll(what, timeout, Duration::from_millis(250), || {
-        let api = api.clone();
-        async move {
-            let gn = api.get(name).await?;
-            Ok(gn.status.as_ref().is_some_and(pred).then_some(gn))
-        }
-    })
-    .await
 }
 
 async fn events_for(client: &Client, name: &str, reason: &str) -> Result<Vec<Event>> {

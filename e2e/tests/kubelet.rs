@@ -35,7 +35,7 @@ use anyhow::{Context, Result, bail, ensure};
 use gpupool_crds::node::{GpuMigSpec, GpuNodeStatus, MigState, NodeMigSpec, UtilizationSpec};
 use gpupool_crds::policy::{DriverPolicy, MigStrategy};
 use gpupool_crds::{GpuNode, GpuNodeSpec};
-use gpupool_e2e::agent::{agent_binaries, fake_driver_root};
+use gpupool_e2e::agent::{agent_binaries, fake_driver_root, wait_status};
 use gpupool_e2e::wait::poll;
 use gpupool_e2e::{Cluster, TestScope, crds, repo_root};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -377,25 +377,6 @@ async fn wait_node_resources(
             Ok(Some(()))
         } else {
             bail!("node has {}", seen.join(", "))
-        }
-    })
-    .await
-}
-
-async fn wait_status(
-    client: &Client,
-    name: &str,
-    what: &str,
-    timeout: Duration,
-    pred: impl Fn(&GpuNodeStatus) -> bool,
-) -> Result<GpuNode> {
-    let api: Api<GpuNode> = Api::all(client.clone());
-    let pred = &pred;
-    poll(what, timeout, Duration::from_millis(250), || {
-        let api = api.clone();
-        async move {
-            let gn = api.get(name).await?;
-            Ok(gn.status.as_ref().is_some_and(pred).then_some(gn))
         }
     })
     .await
