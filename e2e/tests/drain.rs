@@ -28,22 +28,6 @@ fn mig_pool_spec(scope: &TestScope) -> serde_json::Value {
     })
 }
 
-async fn pod_now(client: &Client, ns: &str, name: &str) -> Result<Option<Pod>> {
-    Ok(Api::<Pod>::namespaced(client.clone(), ns)
-        .get_opt(name)
-        .await?)
-}
-
-/// Gone, or being deleted (how an eviction of a kwok pod looks).
-async fn wait_evicted(client: &Client, ns: &str, name: &str) -> Result<()> {
-    wait::poll(&format!("{name} evicted"), REACT, POLL, || async move {
-        let p = pod_now(client, ns, name).await?;
-        Ok(p.is_none_or(|p| p.metadata.deletion_timestamp.is_some())
-            .then_some(()))
-    })
-    .await
-}
-
 async fn wait_event(client: &Client, ns: &str, pod: &str, reason: &str) -> Result<Event> {
     let api: Api<Event> = Api::namespaced(client.clone(), ns);
     wait::poll(&format!("{reason} Event on {pod}"), REACT, POLL, || {

@@ -515,3 +515,19 @@ pub async fn running_gpu_pod(
     wait_running(client, scope.namespace(), name).await?;
     backdate_start(client, scope.namespace(), name).await
 }
+
+/// The pod as it is now, if it exists.
+pub async fn pod_now(client: &Client, ns: &str, name: &str) -> Result<Option<Pod>> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    Ok(api.get_opt(name).await?)
+}
+
+/// Waits until the pod is gone or being deleted (an eviction of a kwok pod).
+pub async fn wait_evicted(client: &Client, ns: &str, name: &str) -> Result<()> {
+    wait::poll(&format!("{name} evicted"), REACT, POLL, || async move {
+        let p = pod_now(client, ns, name).await?;
+        Ok(p.is_none_or(|p| p.metadata.deletion_timestamp.is_some())
+            .then_some(()))
+    })
+    .await
+}

@@ -119,11 +119,6 @@ async fn setup(
     Ok((node, pool, op))
 }
 
-async fn pod_now(client: &Client, ns: &str, name: &str) -> Result<Option<Pod>> {
-    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
-    Ok(api.get_opt(name).await?)
-}
-
 fn warned(pod: &Pod) -> bool {
     let a = pod.annotations();
     a.contains_key(IDLE_SINCE_ANNOTATION) && a.contains_key(RECLAIM_AT_ANNOTATION)
@@ -132,16 +127,6 @@ fn warned(pod: &Pod) -> bool {
 async fn wait_warned(client: &Client, ns: &str, name: &str) -> Result<Pod> {
     wait::poll(&format!("{name} warned"), REACT, POLL, || async move {
         Ok(pod_now(client, ns, name).await?.filter(warned))
-    })
-    .await
-}
-
-/// Waits until the pod is gone or being deleted (an eviction of a kwok pod).
-async fn wait_evicted(client: &Client, ns: &str, name: &str) -> Result<()> {
-    wait::poll(&format!("{name} evicted"), REACT, POLL, || async move {
-        let p = pod_now(client, ns, name).await?;
-        Ok(p.is_none_or(|p| p.metadata.deletion_timestamp.is_some())
-            .then_some(()))
     })
     .await
 }
