@@ -89,14 +89,12 @@ echo "tools ready in $((SECONDS - start))s"
 
 step "building the operator and the node agent (cargo, debug profile)"
 start=$SECONDS
-# Two invocations: built together, cargo would unify their features (the agent's second
-# rustls crypto provider would reach the operator), which is not how either ships.
-cargo build --locked -p gpupool-operator --bin gpupool-operator
-cargo build --locked -p gpupool-device-plugin --bin gpupool-device-plugin
+# One cargo invocation per artifact (see e2e/artifacts.sh for why).
+eval "$(e2e/artifacts.sh)"
 # Private copies: the shared target directory may be rebuilt while the demo runs.
 stop_processes
 mkdir -p "$DEMO/bin" "$DEMO/pids" "$DEMO/logs"
-cp "$CARGO_TARGET_DIR/debug/gpupool-operator" "$CARGO_TARGET_DIR/debug/gpupool-device-plugin" "$DEMO/bin/"
+cp "$GPUPOOL_OPERATOR_BIN" "$GPUPOOL_AGENT_BIN" "$DEMO/bin/"
 echo "binaries ready in $((SECONDS - start))s"
 
 step "starting the control plane with 3 simulated GPU nodes"

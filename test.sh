@@ -7,6 +7,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 export PATH=$HOME/.cargo/bin:/usr/local/go/bin:$PATH
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/gpupool/target}
 
+echo "==> the operator, the node agent and the fake libnvidia-ml (one cargo build each)"
+eval "$(e2e/artifacts.sh)"
+
 echo "==> unit, conformance and device-plugin tests"
 cargo test --workspace --exclude gpupool-e2e --locked
 

@@ -11,6 +11,9 @@
 #   GPUPOOL_E2E_NODES      fake GPU nodes (default 3)
 #   GPUPOOL_E2E_KEEP_LOGS  where to copy the component logs when tests fail
 #                          (default <repo>/target/e2e-logs)
+#   GPUPOOL_E2E_KUBELET    1: also build the real-kubelet layer's tools (kubelet, fakecri)
+#   GPUPOOL_OPERATOR_BIN, GPUPOOL_AGENT_BIN, GPUPOOL_FAKE_NVML_LIB
+#                          prebuilt artifacts; when any is unset, e2e/artifacts.sh builds all
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -43,12 +46,21 @@ trap 'exit 143' TERM
 
 say "building or reusing the tools"
 "$REPO/e2e/tools/build.sh"
+if [[ ${GPUPOOL_E2E_KUBELET:-0} == 1 ]]; then
+    # The real-kubelet layer's tools, built here rather than inside the test that needs them.
+    "$REPO/e2e/tools/build.sh" kubelet fakecri
+fi
+
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$REPO/target}
+if [[ -z ${GPUPOOL_OPERATOR_BIN:-} || -z ${GPUPOOL_AGENT_BIN:-} || -z ${GPUPOOL_FAKE_NVML_LIB:-} ]]; then
+    say "building the operator, the node agent and the fake libnvidia-ml"
+    eval "$("$REPO/e2e/artifacts.sh")"
+fi
 
 say "bringing the cluster up in $GPUPOOL_E2E_DIR"
 "$CLUSTER" up --nodes "$NODES" >/dev/null
 export KUBECONFIG=$GPUPOOL_E2E_DIR/kubeconfig
 export GPUPOOL_E2E_REUSE=1
 
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$REPO/target}
 say "cargo test -p gpupool-e2e $*"
 cargo test -p gpupool-e2e "$@"

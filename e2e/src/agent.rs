@@ -5,69 +5,27 @@
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result};
 use gpupool_crds::GpuNode;
 use gpupool_crds::node::GpuNodeStatus;
 use kube::{Api, Client};
 
-use crate::repo_root;
+use crate::artifacts;
 use crate::wait::poll;
-
-/// The cargo target directory the tests were built into.
-pub fn target_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
-        return PathBuf::from(dir);
-    }
-    // The test binary is <target>/debug/deps/<test>-<hash>.
-    std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent()?.parent()?.parent().map(Path::to_path_buf))
-        .unwrap_or_else(|| repo_root().join("target"))
-}
 
 /// The agent binary and the fake NVML library (as `libnvidia-ml.so.1`), copied to `dir`, since
 /// the shared target directory may be rebuilt by others meanwhile. `GPUPOOL_AGENT_BIN` and
-/// `GPUPOOL_FAKE_NVML_LIB` name prebuilt ones; otherwise cargo builds them.
+/// `GPUPOOL_FAKE_NVML_LIB` name prebuilt ones; otherwise cargo builds each (see [`artifacts`]).
 ///
 /// The e2e crate does not depend on the device-plugin crate: that would build a kube client
 /// with two rustls providers into every test binary.
+///
+/// [`artifacts`]: crate::artifacts
 pub fn agent_binaries(dir: &Path) -> Result<(PathBuf, PathBuf)> {
-    let from_env = |var: &str| std::env::var_os(var).map(PathBuf::from);
-    let (agent, nvml) = match (
-        from_env("GPUPOOL_AGENT_BIN"),
-        from_env("GPUPOOL_FAKE_NVML_LIB"),
-    ) {
-        (Some(a), Some(n)) => (a, n),
-        _ => {
-            let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-                .current_dir(repo_root())
-                .args([
-                    "build",
-                    "-p",
-                    "gpupool-device-plugin",
-                    "--bin",
-                    "gpupool-device-plugin",
-                    "-p",
-                    "gpupool-fake-nvml",
-                ])
-                .env("CARGO_TARGET_DIR", target_dir())
-                .stdin(Stdio::null())
-                .status()
-                .context("running cargo build for the agent")?;
-            ensure!(
-                status.success(),
-                "cargo build of the agent failed ({status})"
-            );
-            let debug = target_dir().join("debug");
-            (
-                debug.join("gpupool-device-plugin"),
-                debug.join("libnvidia_ml.so"),
-            )
-        }
-    };
+    let agent = artifacts::agent_binary()?;
+    let nvml = artifacts::fake_nvml_library()?;
     fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let agent_copy = dir.join("gpupool-device-plugin");
     let nvml_copy = dir.join("libnvidia-ml.so.1");

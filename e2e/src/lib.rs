@@ -17,6 +17,7 @@
 //! [`cluster`] for how the cluster is started and always torn down.
 
 pub mod agent;
+pub mod artifacts;
 pub mod cluster;
 pub mod crds;
 pub mod kubectl;

@@ -9,7 +9,6 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -26,43 +25,7 @@ pub const POLL: Duration = Duration::from_millis(250);
 /// Deadline for the operator to react to a change.
 pub const REACT: Duration = Duration::from_secs(60);
 
-/// The operator binary: `GPUPOOL_OPERATOR_BIN`, else built once per test process.
-pub fn operator_binary() -> Result<PathBuf> {
-    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            if let Some(bin) = std::env::var_os("GPUPOOL_OPERATOR_BIN") {
-                return Ok(PathBuf::from(bin));
-            }
-            let target = std::env::var_os("CARGO_TARGET_DIR")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| repo_root().join("target"));
-            let bin = target.join("debug/gpupool-operator");
-            // Always ask cargo: a no-op when fresh, and a stale binary would test old code.
-            let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-                .args([
-                    "build",
-                    "-p",
-                    "gpupool-operator",
-                    "--bin",
-                    "gpupool-operator",
-                ])
-                .current_dir(repo_root())
-                .env("CARGO_TARGET_DIR", &target)
-                .stdin(Stdio::null())
-                .status()
-                .map_err(|e| format!("running cargo build: {e}"))?;
-            if !status.success() {
-                return Err(format!("cargo build -p gpupool-operator failed ({status})"));
-            }
-            if !bin.is_file() {
-                return Err(format!("{} was not built", bin.display()));
-            }
-            Ok(bin)
-        })
-        .clone()
-        .map_err(|e| anyhow::anyhow!(e))
-}
+pub use gpupool_e2e::artifacts::operator_binary;
 
 /// A running operator process; killed on drop.
 pub struct Operator {
