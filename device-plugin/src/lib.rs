@@ -9,6 +9,7 @@ pub mod kmsg;
 pub mod metrics_http;
 pub mod mig;
 pub mod plugin;
-pub mod report;
+pub mod podresources;
 pub mod utilization;
 pub mod validate;
+pub mod xid;

@@ -454,13 +454,36 @@ pub enum Phase {
     Applied,
     /// Gave up until the spec changes.
     Failed {
-        /// Short reason (`DrainTimeout`, `InvalidLayout`, `NVMLError`).
-        reason: String,
+        /// Why.
+        reason: MigFailure,
         /// Details: the error and the GPU.
         message: String,
         /// GPUs concerned.
         gpus: Vec<u32>,
     },
+}
+
+/// Why a MIG change was given up; its [`MigFailure::reason`] is the status `reason`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MigFailure {
+    /// The planner cannot place the wanted layout on this GPU (unknown model, not MIG-capable,
+    /// profiles that do not fit).
+    InvalidLayout,
+    /// Compute processes did not leave the GPUs within the drain timeout.
+    DrainTimeout,
+    /// An NVML call creating or destroying an instance, or switching MIG mode, failed.
+    NvmlError,
+}
+
+impl MigFailure {
+    /// The `reason` in GpuNode status.
+    pub fn reason(self) -> &'static str {
+        match self {
+            MigFailure::InvalidLayout => "InvalidLayout",
+            MigFailure::DrainTimeout => "DrainTimeout",
+            MigFailure::NvmlError => "NVMLError",
+        }
+    }
 }
 
 /// What the agent should do next.
@@ -545,7 +568,7 @@ impl MigController {
                 };
                 return self.set(
                     Phase::Failed {
-                        reason: "InvalidLayout".into(),
+                        reason: MigFailure::InvalidLayout,
                         message: e.to_string(),
                         gpus,
                     },
@@ -599,7 +622,7 @@ impl MigController {
                         .collect();
                     self.set(
                         Phase::Failed {
-                            reason: "DrainTimeout".into(),
+                            reason: MigFailure::DrainTimeout,
                             message: format!(
                                 "compute processes still run on GPU {} after {:?}; MIG layout not applied",
                                 still.join(", "),
@@ -623,7 +646,7 @@ impl MigController {
     pub fn fail(&mut self, error: &MigError) {
         let gpu = error.op.gpu();
         self.phase = Phase::Failed {
-            reason: "NVMLError".into(),
+            reason: MigFailure::NvmlError,
             message: format!("GPU {gpu}: {error}"),
             gpus: vec![gpu],
         };
@@ -662,7 +685,7 @@ impl MigController {
                 gpus,
             } => (
                 MigState::Failed,
-                Some(reason.clone()),
+                Some(reason.reason().to_owned()),
                 Some(message.clone()),
                 gpus.clone(),
             ),

@@ -1,5 +1,5 @@
-//! Utilization and idleness: samples each device, keeps `idleSince` with hysteresis, and maps
-//! devices to the pods holding them through the kubelet PodResources API.
+//! Utilization and idleness: samples each device and keeps `idleSince` with hysteresis (the pods
+//! holding each device come from [`crate::podresources`]).
 //!
 //! Whole GPUs are judged by NVML utilization against the pool's threshold. NVML reports no
 //! utilization for MIG devices, so a MIG device is busy while a compute process runs in it and
@@ -7,8 +7,6 @@
 //! whose activity cannot be observed is `Unknown`, which is never idle.
 
 use std::collections::BTreeMap;
-use std::path::Path;
-use std::time::Duration;
 
 use gpupool_crds::node::{Activity, Idleness, PodRef};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -16,8 +14,6 @@ use k8s_openapi::jiff::Timestamp;
 
 use crate::backend::{ErrorKind, GpuBackend};
 use crate::inventory::Inventory;
-use crate::plugin::api::podresources_v1::ListPodResourcesRequest;
-use crate::plugin::api::podresources_v1::pod_resources_lister_client::PodResourcesListerClient;
 
 /// What one sample of one device showed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -171,77 +167,6 @@ impl IdleTracker {
             pods,
         }
     }
-}
-
-/// Why the PodResources API could not be read.
-#[derive(Debug, thiserror::Error)]
-pub enum PodResourcesError {
-    /// No socket (kubelet not running, or the feature gate off).
-    #[error("PodResources socket {0} not found")]
-    Missing(String),
-    /// Connecting or calling failed.
-    #[error("PodResources List on {path}: {detail}")]
-    Call {
-        /// The socket.
-        path: String,
-        /// What went wrong.
-        detail: String,
-    },
-}
-
-/// Device ID (UUID) → pods holding it, for `nvidia.com/*` resources, from the kubelet's
-/// PodResources `List`.
-pub async fn list_pod_devices(
-    socket: &Path,
-    timeout: Duration,
-) -> Result<BTreeMap<String, Vec<PodRef>>, PodResourcesError> {
-    let path = socket.display().to_string();
-    if !socket.exists() {
-        return Err(PodResourcesError::Missing(path));
-    }
-    let channel = crate::plugin::connect_unix(socket, timeout)
-        .await
-        .map_err(|e| PodResourcesError::Call {
-            path: path.clone(),
-            detail: e.to_string(),
-        })?;
-    let mut client = PodResourcesListerClient::new(channel);
-    let response = tokio::time::timeout(timeout, client.list(ListPodResourcesRequest {}))
-        .await
-        .map_err(|_| PodResourcesError::Call {
-            path: path.clone(),
-            detail: "timed out".into(),
-        })?
-        .map_err(|e| PodResourcesError::Call {
-            path: path.clone(),
-            detail: e.to_string(),
-        })?
-        .into_inner();
-    let mut out: BTreeMap<String, Vec<PodRef>> = BTreeMap::new();
-    for pod in response.pod_resources {
-        for container in pod.containers {
-            for devices in container.devices {
-                if !devices.resource_name.starts_with("nvidia.com/") {
-                    continue;
-                }
-                for id in devices.device_ids {
-                    let holders = out.entry(id).or_default();
-                    let r = PodRef {
-                        namespace: pod.namespace.clone(),
-                        name: pod.name.clone(),
-                        container: Some(container.name.clone()),
-                    };
-                    if !holders.contains(&r) {
-                        holders.push(r);
-                    }
-                }
-            }
-        }
-    }
-    for holders in out.values_mut() {
-        holders.sort();
-    }
-    Ok(out)
 }
 
 #[cfg(test)]

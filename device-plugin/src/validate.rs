@@ -13,7 +13,7 @@ use gpupool_crds::policy::{DriverCheck, DriverPolicy};
 
 use crate::backend::{CudaVersion, DriverInfo, GpuBackend, HealthSnapshot};
 use crate::kmsg::{self, Attributed, KernelLog, KmsgError, PciAddress};
-use crate::plugin::DEFAULT_IGNORED_XIDS;
+use crate::xid::is_fatal as is_fatal_xid;
 
 /// The minimum Linux driver of each CUDA toolkit release (major, minor, driver), from the
 /// "CUDA Toolkit and Corresponding Driver Versions" table of NVIDIA's CUDA Toolkit release
@@ -60,12 +60,6 @@ pub fn compare_versions(a: &str, b: &str) -> Option<Ordering> {
     a.resize(len, 0);
     b.resize(len, 0);
     Some(a.cmp(&b))
-}
-
-/// Whether an Xid fails the `XidErrors` check: every Xid but those the health monitor ignores
-/// as the application's fault ([`DEFAULT_IGNORED_XIDS`]).
-pub fn is_fatal_xid(xid: u64) -> bool {
-    !DEFAULT_IGNORED_XIDS.contains(&xid)
 }
 
 /// Whether the kernel log was read for Xids.

@@ -17,7 +17,8 @@ use gpupool_device_plugin::plugin::api::podresources_v1::{
     ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
     ListPodResourcesResponse, PodResources,
 };
-use gpupool_device_plugin::utilization::{self, IdleTracker, PodResourcesError};
+use gpupool_device_plugin::podresources::{self, PodResourcesError};
+use gpupool_device_plugin::utilization::{self, IdleTracker};
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
@@ -86,7 +87,7 @@ impl PodResourcesLister for Kubelet {
 async fn maps_devices_to_pods_from_the_kubelet() {
     let tmp = tempfile::tempdir().unwrap();
     let socket = tmp.path().join("kubelet.sock");
-    let missing = utilization::list_pod_devices(&socket, Duration::from_secs(1)).await;
+    let missing = podresources::list_pod_devices(&socket, Duration::from_secs(1)).await;
     assert!(
         matches!(missing, Err(PodResourcesError::Missing(_))),
         "{missing:?}"
@@ -98,7 +99,7 @@ async fn maps_devices_to_pods_from_the_kubelet() {
             .add_service(PodResourcesListerServer::new(Kubelet))
             .serve_with_incoming(UnixListenerStream::new(listener)),
     );
-    let map = utilization::list_pod_devices(&socket, Duration::from_secs(5))
+    let map = podresources::list_pod_devices(&socket, Duration::from_secs(5))
         .await
         .unwrap();
     let holder = |ns: &str, name: &str, c: &str| PodRef {

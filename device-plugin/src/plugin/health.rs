@@ -25,23 +25,7 @@ use tokio_util::sync::CancellationToken;
 use super::metrics::PluginMetrics;
 use super::model::{Advertisement, DeviceId, Health};
 
-/// Xids that are the application's fault, not the GPU's; ignored by default, as
-/// NVIDIA's device plugin does. Reasons per NVIDIA's Xid catalog:
-///
-/// * 13, Graphics Engine Exception: the running program faulted (e.g. an
-///   out-of-range access or illegal instruction in a kernel); restart the app.
-/// * 31, GPU memory page fault: an MMU fault, almost always an illegal address
-///   dereferenced by the application.
-/// * 43, GPU stopped processing: the driver stopped the channel of an app that
-///   hit a software-induced fault; the GPU itself stays usable.
-/// * 45, Preemptive cleanup, due to previous errors: the driver tearing down the
-///   channels of a killed or already-failed process; a consequence, not a cause.
-/// * 68, video processor (NVDEC) exception: an error in a decode job, reported
-///   against the application's context.
-/// * 109, Context switch timeout: the catalog's resolution bucket for it is a GPU
-///   reset (NVIDIA/k8s-device-plugin#1974 points out the disagreement); we keep it
-///   ignored for parity with NVIDIA's plugin, and it is configurable.
-pub const DEFAULT_IGNORED_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
+pub use crate::xid::DEFAULT_IGNORED_XIDS;
 
 /// What makes devices go Unhealthy and how fast they come back.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,0 +1,665 @@
+//! Events on the GpuNode, on transitions only: what the agent observed at its last report is
+//! compared with what it observes now ([`transitions`], pure), and each difference worth telling
+//! an admin becomes one Event.
+
+use std::collections::BTreeMap;
+
+use gpupool_crds::node::{CheckResult, GpuNode, MigState, NodeMigStatus};
+use kube::Resource;
+use kube::runtime::events::{Event as KubeEvent, EventType, Recorder};
+
+/// The health of one GPU as the agent reported it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuHealthSeen {
+    /// The GPU's UUID.
+    pub uuid: String,
+    /// Why it is unhealthy; `None` when healthy.
+    pub fault: Option<String>,
+}
+
+/// What the agent's Events are about, as observed at one report.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Observed {
+    /// The driver checks as last run (empty before the first run).
+    pub checks: Vec<CheckResult>,
+    /// The MIG state machine's status; `None` before the first report.
+    pub mig: Option<NodeMigStatus>,
+    /// Per GPU index; `None` when the inventory could not be read this time (nothing is said
+    /// about the GPUs then, and what was seen before is kept).
+    pub gpu_health: Option<BTreeMap<u32, GpuHealthSeen>>,
+    /// The last PodResources call: `None` before the first.
+    pub pod_resources: Option<Result<(), String>>,
+    /// Why the CDI spec was last not written; `None` when it was.
+    pub cdi_error: Option<String>,
+}
+
+/// One Event to publish.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentEvent {
+    /// Warning, else Normal.
+    pub warning: bool,
+    /// The Event's reason.
+    pub reason: &'static str,
+    /// Its action: kube's recorder folds Events with the same reason and action into one
+    /// series (keeping the first note), so an Event whose note matters names what differs here.
+    pub action: String,
+    /// What happened, for the admin.
+    pub note: String,
+}
+
+impl AgentEvent {
+    fn new(warning: bool, reason: &'static str, note: String) -> AgentEvent {
+        AgentEvent {
+            warning,
+            reason,
+            action: reason.to_owned(),
+            note,
+        }
+    }
+
+    fn with_action(mut self, action: String) -> AgentEvent {
+        self.action = action;
+        self
+    }
+}
+
+/// Verdict of a set of checks: `None` when none ran.
+fn passed(checks: &[CheckResult]) -> Option<bool> {
+    (!checks.is_empty()).then(|| checks.iter().all(|c| c.passed))
+}
+
+fn failures(checks: &[CheckResult]) -> Vec<String> {
+    checks
+        .iter()
+        .filter(|c| !c.passed)
+        .map(|c| format!("{}: {}", c.name, c.message))
+        .collect()
+}
+
+fn mig_events(previous: Option<&NodeMigStatus>, now: &NodeMigStatus) -> Option<AgentEvent> {
+    let prev = previous.map(|s| s.state);
+    if prev == Some(now.state) {
+        return None;
+    }
+    let gpus: Vec<String> = now.gpus.iter().map(u32::to_string).collect();
+    let gpus = gpus.join(", ");
+    match now.state {
+        MigState::Draining => Some(AgentEvent::new(
+            false,
+            "MigDraining",
+            format!("waiting for GPU pods to leave GPU {gpus} before changing MIG"),
+        )),
+        MigState::Applying => Some(AgentEvent::new(
+            false,
+            "MigApplying",
+            format!("changing MIG on GPU {gpus}"),
+        )),
+        // Applied right after start, or after no change at all, is no news.
+        MigState::Applied if prev.is_some() && prev != Some(MigState::Idle) => Some(
+            AgentEvent::new(false, "MigApplied", "the MIG layout is applied".to_owned()),
+        ),
+        MigState::Failed => Some(AgentEvent::new(
+            true,
+            "MigFailed",
+            now.message.clone().unwrap_or_default(),
+        )),
+        _ => None,
+    }
+}
+
+/// The Events that going from `previous` to `now` calls for, in the order they happened within
+/// a pass: MIG, CDI, validation, PodResources, device health.
+pub fn transitions(previous: &Observed, now: &Observed) -> Vec<AgentEvent> {
+    let mut out = Vec::new();
+    if let Some(mig) = &now.mig {
+        out.extend(mig_events(previous.mig.as_ref(), mig));
+    }
+    if let Some(msg) = &now.cdi_error
+        && previous.cdi_error.as_ref() != Some(msg)
+    {
+        out.push(AgentEvent::new(true, "CdiSpecFailed", msg.clone()));
+    }
+    match (passed(&previous.checks), passed(&now.checks)) {
+        (prev, Some(false)) => {
+            let failed = failures(&now.checks);
+            if prev != Some(false) || failed != failures(&previous.checks) {
+                let names: Vec<String> = now
+                    .checks
+                    .iter()
+                    .filter(|c| !c.passed)
+                    .map(|c| c.name.to_string())
+                    .collect();
+                out.push(
+                    AgentEvent::new(true, "ValidationFailed", failed.join("; "))
+                        .with_action(format!("Validate:{}", names.join(","))),
+                );
+            }
+        }
+        (prev, Some(true)) if prev != Some(true) => out.push(AgentEvent::new(
+            false,
+            "ValidationPassed",
+            format!("all {} driver checks passed", now.checks.len()),
+        )),
+        _ => {}
+    }
+    if let Some(Err(msg)) = &now.pod_resources
+        && previous.pod_resources.as_ref().map(Result::is_ok) != Some(false)
+    {
+        out.push(AgentEvent::new(
+            true,
+            "PodResourcesUnavailable",
+            format!("{msg}; pods holding GPUs are not reported until it is back"),
+        ));
+    }
+    if let Some(gpus) = &now.gpu_health {
+        let before = previous.gpu_health.as_ref();
+        for (index, gpu) in gpus {
+            let was_healthy = before.and_then(|b| b.get(index)).map(|g| g.fault.is_none());
+            let action = format!("Health:GPU{index}");
+            match (was_healthy, &gpu.fault) {
+                (Some(true) | None, Some(reason)) => out.push(
+                    AgentEvent::new(
+                        true,
+                        "DeviceUnhealthy",
+                        format!("GPU {index} ({}): {reason}", gpu.uuid),
+                    )
+                    .with_action(action),
+                ),
+                (Some(false), None) => out.push(
+                    AgentEvent::new(
+                        false,
+                        "DeviceRecovered",
+                        format!("GPU {index} ({}) is healthy again", gpu.uuid),
+                    )
+                    .with_action(action),
+                ),
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+/// What to remember after reporting `now`: GPUs not seen this time keep what was seen before.
+fn remember(previous: Observed, now: Observed) -> Observed {
+    let gpu_health = match (previous.gpu_health, now.gpu_health) {
+        (Some(mut before), Some(now)) => {
+            before.extend(now);
+            Some(before)
+        }
+        (before, now) => now.or(before),
+    };
+    Observed { gpu_health, ..now }
+}
+
+/// Publishes the agent's Events on its GpuNode, remembering what it last reported.
+pub struct Events {
+    recorder: Recorder,
+    previous: Observed,
+}
+
+impl Events {
+    /// Events published through `recorder`.
+    pub fn new(recorder: Recorder) -> Events {
+        Events {
+            recorder,
+            previous: Observed::default(),
+        }
+    }
+
+    /// Publishes the Events going from the last observation to `now`. A failed publish is
+    /// logged: Events are best effort, status says the same.
+    pub async fn observe(&mut self, gpunode: &GpuNode, now: Observed) {
+        for ev in transitions(&self.previous, &now) {
+            self.publish(gpunode, ev).await;
+        }
+        self.previous = remember(std::mem::take(&mut self.previous), now);
+    }
+
+    async fn publish(&self, gpunode: &GpuNode, ev: AgentEvent) {
+        let event = KubeEvent {
+            type_: if ev.warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: ev.reason.to_owned(),
+            note: Some(ev.note.chars().take(1000).collect()),
+            action: ev.action.chars().take(128).collect(),
+            secondary: None,
+        };
+        if let Err(e) = self
+            .recorder
+            .publish(&event, &gpunode.object_ref(&()))
+            .await
+        {
+            tracing::warn!(error = %e, reason = ev.reason, "publishing an Event");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(name: &str, passed: bool, message: &str) -> CheckResult {
+        CheckResult {
+            name: name.parse().unwrap(),
+            passed,
+            message: message.to_owned(),
+        }
+    }
+
+    fn mig(state: MigState, gpus: &[u32], message: Option<&str>) -> Option<NodeMigStatus> {
+        Some(NodeMigStatus {
+            state,
+            gpus: gpus.to_vec(),
+            message: message.map(str::to_owned),
+            ..NodeMigStatus::default()
+        })
+    }
+
+    fn health(faults: &[(u32, Option<&str>)]) -> Option<BTreeMap<u32, GpuHealthSeen>> {
+        Some(
+            faults
+                .iter()
+                .map(|(i, f)| {
+                    (
+                        *i,
+                        GpuHealthSeen {
+                            uuid: format!("GPU-{i}"),
+                            fault: f.map(str::to_owned),
+                        },
+                    )
+                })
+                .collect(),
+        )
+    }
+
+    fn said(events: &[AgentEvent]) -> Vec<String> {
+        events
+            .iter()
+            .map(|e| {
+                format!(
+                    "{} {} [{}] {}",
+                    if e.warning { "Warning" } else { "Normal" },
+                    e.reason,
+                    e.action,
+                    e.note
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn transitions_table() {
+        let ok = || {
+            vec![
+                check("DriverVersion", true, "ok"),
+                check("CUDAVersion", true, "ok"),
+            ]
+        };
+        let cuda_bad = |m: &str| {
+            vec![
+                check("DriverVersion", true, "ok"),
+                check("CUDAVersion", false, m),
+            ]
+        };
+        let o = Observed::default;
+        let cases: Vec<(&str, Observed, Observed, Vec<&str>)> = vec![
+            ("nothing observed yet", o(), o(), vec![]),
+            (
+                "first validation passes",
+                o(),
+                Observed {
+                    checks: ok(),
+                    ..o()
+                },
+                vec!["Normal ValidationPassed [ValidationPassed] all 2 driver checks passed"],
+            ),
+            (
+                "still passing: no news",
+                Observed {
+                    checks: ok(),
+                    ..o()
+                },
+                Observed {
+                    checks: ok(),
+                    ..o()
+                },
+                vec![],
+            ),
+            (
+                "a check fails",
+                Observed {
+                    checks: ok(),
+                    ..o()
+                },
+                Observed {
+                    checks: cuda_bad("too old"),
+                    ..o()
+                },
+                vec!["Warning ValidationFailed [Validate:CUDAVersion] CUDAVersion: too old"],
+            ),
+            (
+                "the same failure again: no news",
+                Observed {
+                    checks: cuda_bad("too old"),
+                    ..o()
+                },
+                Observed {
+                    checks: cuda_bad("too old"),
+                    ..o()
+                },
+                vec![],
+            ),
+            (
+                "a failure that says something new",
+                Observed {
+                    checks: cuda_bad("too old"),
+                    ..o()
+                },
+                Observed {
+                    checks: cuda_bad("older"),
+                    ..o()
+                },
+                vec!["Warning ValidationFailed [Validate:CUDAVersion] CUDAVersion: older"],
+            ),
+            (
+                "fixed",
+                Observed {
+                    checks: cuda_bad("too old"),
+                    ..o()
+                },
+                Observed {
+                    checks: ok(),
+                    ..o()
+                },
+                vec!["Normal ValidationPassed [ValidationPassed] all 2 driver checks passed"],
+            ),
+            (
+                "MIG starts draining",
+                Observed {
+                    mig: mig(MigState::Idle, &[], None),
+                    ..o()
+                },
+                Observed {
+                    mig: mig(MigState::Draining, &[0, 1], None),
+                    ..o()
+                },
+                vec![
+                    "Normal MigDraining [MigDraining] waiting for GPU pods to leave GPU 0, 1 before changing MIG",
+                ],
+            ),
+            (
+                "MIG drains with other GPUs: the state is the same, no news",
+                Observed {
+                    mig: mig(MigState::Draining, &[0], None),
+                    ..o()
+                },
+                Observed {
+                    mig: mig(MigState::Draining, &[0, 1], None),
+                    ..o()
+                },
+                vec![],
+            ),
+            (
+                "MIG applying",
+                Observed {
+                    mig: mig(MigState::Draining, &[0], None),
+                    ..o()
+                },
+                Observed {
+                    mig: mig(MigState::Applying, &[0], None),
+                    ..o()
+                },
+                vec!["Normal MigApplying [MigApplying] changing MIG on GPU 0"],
+            ),
+            (
+                "MIG applied after applying",
+                Observed {
+                    mig: mig(MigState::Applying, &[0], None),
+                    ..o()
+                },
+                Observed {
+                    mig: mig(MigState::Applied, &[], None),
+                    ..o()
+                },
+                vec!["Normal MigApplied [MigApplied] the MIG layout is applied"],
+            ),
+            (
+                "MIG found applied at start: no news",
+                o(),
+                Observed {
+                    mig: mig(MigState::Applied, &[], None),
+                    ..o()
+                },
+                vec![],
+            ),
+            (
+                "MIG applied from idle (nothing to change): no news",
+                Observed {
+                    mig: mig(MigState::Idle, &[], None),
+                    ..o()
+                },
+                Observed {
+                    mig: mig(MigState::Applied, &[], None),
+                    ..o()
+                },
+                vec![],
+            ),
+            (
+                "MIG fails",
+                Observed {
+                    mig: mig(MigState::Draining, &[0], None),
+                    ..o()
+                },
+                Observed {
+                    mig: mig(MigState::Failed, &[0], Some("drain timed out")),
+                    ..o()
+                },
+                vec!["Warning MigFailed [MigFailed] drain timed out"],
+            ),
+            (
+                "CDI spec fails",
+                o(),
+                Observed {
+                    cdi_error: Some("no driver".into()),
+                    ..o()
+                },
+                vec!["Warning CdiSpecFailed [CdiSpecFailed] no driver"],
+            ),
+            (
+                "CDI spec fails the same way: no news",
+                Observed {
+                    cdi_error: Some("no driver".into()),
+                    ..o()
+                },
+                Observed {
+                    cdi_error: Some("no driver".into()),
+                    ..o()
+                },
+                vec![],
+            ),
+            (
+                "PodResources unavailable at start",
+                o(),
+                Observed {
+                    pod_resources: Some(Err("socket missing".into())),
+                    ..o()
+                },
+                vec![
+                    "Warning PodResourcesUnavailable [PodResourcesUnavailable] socket missing; pods holding GPUs are not reported until it is back",
+                ],
+            ),
+            (
+                "PodResources still unavailable, other words: no news",
+                Observed {
+                    pod_resources: Some(Err("a".into())),
+                    ..o()
+                },
+                Observed {
+                    pod_resources: Some(Err("b".into())),
+                    ..o()
+                },
+                vec![],
+            ),
+            (
+                "PodResources back: no Event (status says it)",
+                Observed {
+                    pod_resources: Some(Err("a".into())),
+                    ..o()
+                },
+                Observed {
+                    pod_resources: Some(Ok(())),
+                    ..o()
+                },
+                vec![],
+            ),
+            (
+                "a GPU unhealthy at start",
+                o(),
+                Observed {
+                    gpu_health: health(&[(0, None), (1, Some("Xid 79"))]),
+                    ..o()
+                },
+                vec!["Warning DeviceUnhealthy [Health:GPU1] GPU 1 (GPU-1): Xid 79"],
+            ),
+            (
+                "a GPU recovers",
+                Observed {
+                    gpu_health: health(&[(1, Some("Xid 79"))]),
+                    ..o()
+                },
+                Observed {
+                    gpu_health: health(&[(1, None)]),
+                    ..o()
+                },
+                vec!["Normal DeviceRecovered [Health:GPU1] GPU 1 (GPU-1) is healthy again"],
+            ),
+            (
+                "still unhealthy, other reason: no news",
+                Observed {
+                    gpu_health: health(&[(1, Some("Xid 79"))]),
+                    ..o()
+                },
+                Observed {
+                    gpu_health: health(&[(1, Some("ECC"))]),
+                    ..o()
+                },
+                vec![],
+            ),
+            (
+                "inventory unreadable: nothing said about GPUs",
+                Observed {
+                    gpu_health: health(&[(1, None)]),
+                    ..o()
+                },
+                Observed {
+                    gpu_health: None,
+                    ..o()
+                },
+                vec![],
+            ),
+        ];
+        for (name, previous, now, want) in cases {
+            assert_eq!(said(&transitions(&previous, &now)), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn several_transitions_come_in_pass_order() {
+        let now = Observed {
+            checks: vec![check("XidErrors", false, "GPU 0: Xid 79")],
+            mig: mig(MigState::Failed, &[0], Some("m")),
+            gpu_health: health(&[(0, Some("lost"))]),
+            pod_resources: Some(Err("p".into())),
+            cdi_error: Some("c".into()),
+        };
+        let reasons: Vec<&str> = transitions(&Observed::default(), &now)
+            .iter()
+            .map(|e| e.reason)
+            .collect();
+        assert_eq!(
+            reasons,
+            [
+                "MigFailed",
+                "CdiSpecFailed",
+                "ValidationFailed",
+                "PodResourcesUnavailable",
+                "DeviceUnhealthy"
+            ]
+        );
+    }
+
+    #[test]
+    fn gpus_unseen_this_time_keep_what_was_seen() {
+        let first = Observed {
+            gpu_health: health(&[(0, Some("lost")), (1, None)]),
+            ..Observed::default()
+        };
+        let blind = Observed::default();
+        let kept = remember(first.clone(), blind);
+        assert_eq!(kept.gpu_health, first.gpu_health);
+        // GPU 0 is back in a later pass: that is a recovery, not a first sighting.
+        let later = Observed {
+            gpu_health: health(&[(0, None)]),
+            ..Observed::default()
+        };
+        assert_eq!(
+            said(&transitions(&kept, &later)),
+            ["Normal DeviceRecovered [Health:GPU0] GPU 0 (GPU-0) is healthy again"]
+        );
+        let merged = remember(kept, later);
+        assert_eq!(merged.gpu_health.map(|m| m.len()), Some(2));
+    }
+
+    #[tokio::test]
+    async fn a_transition_is_posted_once_as_an_event_on_the_gpunode() {
+        use crate::agent::testing::{ApiMock, Expect};
+        use kube::runtime::events::Reporter;
+        let (client, mock) = ApiMock::new();
+        let server = mock.serve(vec![Expect {
+            method: "POST",
+            path: "/apis/events.k8s.io/v1/namespaces/default/events",
+            query: &[],
+            status: 201,
+            check: Box::new(|body: &serde_json::Value| {
+                assert_eq!(body["type"], "Warning", "{body}");
+                assert_eq!(body["reason"], "ValidationFailed", "{body}");
+                assert_eq!(body["action"], "Validate:CUDAVersion", "{body}");
+                assert_eq!(body["note"], "CUDAVersion: too old", "{body}");
+                assert_eq!(body["regarding"]["kind"], "GpuNode", "{body}");
+                assert_eq!(body["regarding"]["name"], "node-a", "{body}");
+                assert_eq!(body["reportingController"], "gpupool-agent", "{body}");
+            }),
+            reply: None,
+        }]);
+        let recorder = Recorder::new(
+            client,
+            Reporter {
+                controller: "gpupool-agent".into(),
+                instance: Some("node-a".into()),
+            },
+        );
+        let mut events = Events::new(recorder);
+        let gn = GpuNode::new(
+            "node-a",
+            gpupool_crds::node::GpuNodeSpec {
+                pool: "p".into(),
+                driver: Default::default(),
+                cdi: Default::default(),
+                mig: Default::default(),
+                utilization: Default::default(),
+            },
+        );
+        let failing = Observed {
+            checks: vec![check("CUDAVersion", false, "too old")],
+            ..Observed::default()
+        };
+        events.observe(&gn, failing.clone()).await;
+        events.observe(&gn, failing).await; // no news: no request
+        drop(events);
+        server.await.unwrap();
+    }
+}

@@ -1,0 +1,275 @@
+//! One pass of the agent over its node: each job in turn (MIG, CDI spec and advertised devices,
+//! validation, sampling), then the report (Events, status, Node labels, metrics). Each job owns
+//! its state; this file only orders them.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use gpupool_crds::node::GpuNode;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::jiff::Timestamp;
+use kube::runtime::events::{Recorder, Reporter};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::advertise::{MigIds, MigParents, advertisement, mig_index};
+use super::cdi_spec::CdiJob;
+use super::events::{Events, GpuHealthSeen, Observed};
+use super::figures::{FigureInputs, figures};
+use super::labels::NodeLabeler;
+use super::reconfigure::{MigJob, MigProgress};
+use super::sampling::SamplingJob;
+use super::status::{self, StatusInputs, StatusPublisher};
+use super::validation::ValidationJob;
+use super::{Agent, FIELD_MANAGER, blocking};
+use crate::inventory::Inventory;
+use crate::plugin::{self, Advertisement, Topology};
+
+/// Everything the agent keeps about its node between passes, job by job.
+pub struct NodeState {
+    mig: MigJob,
+    cdi: CdiJob,
+    /// Driver checks (public to the loop: health events make them due).
+    pub validation: ValidationJob,
+    sampling: SamplingJob,
+    /// The agent's own conditions, carried from one status to the next.
+    conditions: Vec<Condition>,
+    status: StatusPublisher,
+    labels: NodeLabeler,
+    events: Events,
+    /// GPU interconnect, read once at start.
+    pub topology: Arc<Topology>,
+    /// (GPU, GI, CI) → MIG UUID, shared with the health forwarder.
+    pub mig_ids: Arc<RwLock<MigIds>>,
+    /// MIG UUID → parent GPU, shared with the health probe.
+    pub mig_parents: Arc<RwLock<MigParents>>,
+}
+
+impl NodeState {
+    /// The state of a freshly started agent.
+    pub fn new(agent: &Agent) -> NodeState {
+        let now = Instant::now();
+        let config = &agent.config;
+        NodeState {
+            mig: MigJob::new(config.drain_timeout, config.mig_step_delay, now),
+            cdi: CdiJob::default(),
+            validation: ValidationJob::new(config.kmsg_path.clone(), config.validate_interval, now),
+            sampling: SamplingJob::new(
+                config.pod_resources_socket.clone(),
+                config.idle_samples,
+                now,
+            ),
+            conditions: Vec::new(),
+            status: StatusPublisher::new(agent.client.clone()),
+            labels: NodeLabeler::new(agent.client.clone(), config.node_name.clone()),
+            events: Events::new(Recorder::new(
+                agent.client.clone(),
+                Reporter {
+                    controller: FIELD_MANAGER.to_owned(),
+                    instance: Some(config.node_name.clone()),
+                },
+            )),
+            topology: Arc::new(Topology::new()),
+            mig_ids: Arc::default(),
+            mig_parents: Arc::default(),
+        }
+    }
+
+    async fn read_inventory(&self, agent: &Agent) -> Option<Result<Inventory, String>> {
+        let backend = agent.backend.as_ref().ok()?;
+        Some(
+            blocking(backend, |b| Inventory::read(b).map_err(|e| e.to_string()))
+                .await
+                .unwrap_or_else(|| Err("inventory task failed".to_owned())),
+        )
+    }
+
+    /// One reconcile pass. Returns when to wake up next.
+    pub async fn reconcile(
+        &mut self,
+        agent: &Agent,
+        gpunode: &GpuNode,
+        health: &BTreeMap<String, plugin::Health>,
+        layout_tx: &watch::Sender<Advertisement>,
+    ) -> Option<Instant> {
+        let generation = gpunode.metadata.generation;
+        let spec = &gpunode.spec;
+        let mut inventory = self.read_inventory(agent).await;
+        let mut mig_wake: Option<Instant> = None;
+
+        // MIG: step the state machine until it waits, reporting each phase change.
+        if let Ok(backend) = &agent.backend {
+            for _ in 0..256 {
+                let Some(Ok(inv)) = &inventory else { break };
+                match self.mig.advance(backend, &spec.mig, generation, inv).await {
+                    MigProgress::Waiting(wake) => {
+                        mig_wake = wake;
+                        break;
+                    }
+                    MigProgress::PhaseChanged => {
+                        self.report(agent, gpunode, inventory.as_ref(), health)
+                            .await;
+                    }
+                    MigProgress::Failed => {
+                        self.report(agent, gpunode, inventory.as_ref(), health)
+                            .await;
+                        break;
+                    }
+                    MigProgress::Executed => inventory = self.read_inventory(agent).await,
+                }
+            }
+        }
+
+        let inv = match &inventory {
+            Some(Ok(inv)) => Some(inv),
+            _ => None,
+        };
+        if let Some(inv) = inv {
+            let (ids, parents) = mig_index(inv);
+            if let Ok(mut w) = self.mig_ids.write() {
+                *w = ids;
+            }
+            if let Ok(mut w) = self.mig_parents.write() {
+                *w = parents;
+            }
+        }
+
+        // CDI spec and advertised devices follow the hardware, except mid-reconfiguration.
+        if let (false, Some(inv)) = (self.mig.busy(), inv) {
+            self.cdi.sync(
+                agent.config.cdi_dir.as_deref(),
+                agent.config.driver_root.as_deref(),
+                &spec.cdi,
+                inv,
+            );
+            let adv = advertisement(
+                inv,
+                spec.mig.strategy,
+                &spec.cdi.device_name_strategies,
+                self.topology.clone(),
+            );
+            layout_tx.send_if_modified(|cur| {
+                if *cur == adv {
+                    false
+                } else {
+                    *cur = adv;
+                    true
+                }
+            });
+        }
+
+        let now = Instant::now();
+        if self.validation.due(generation, now) {
+            let root = agent
+                .config
+                .driver_root
+                .clone()
+                .unwrap_or_else(|| spec.cdi.driver_root.clone().into());
+            self.validation
+                .run(
+                    &agent.backend,
+                    root,
+                    &agent.config.proc_root,
+                    &spec.driver,
+                    inv,
+                    now,
+                )
+                .await;
+        }
+        let interval: Duration = spec.utilization.sample_interval.into();
+        self.sampling
+            .run_if_due(
+                agent.backend.as_ref().ok(),
+                inv,
+                spec.utilization.idle_threshold,
+                interval,
+                now,
+            )
+            .await;
+
+        self.report(agent, gpunode, inventory.as_ref(), health)
+            .await;
+        if let Some(inv) = inv {
+            self.labels.apply(inv).await;
+        }
+        agent.metrics.ready.store(true, Ordering::Relaxed);
+
+        [
+            Some(self.validation.next()),
+            Some(self.sampling.next()),
+            mig_wake,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// Reports what the jobs last saw: Events for what changed, status, metrics.
+    async fn report(
+        &mut self,
+        agent: &Agent,
+        gpunode: &GpuNode,
+        inventory: Option<&Result<Inventory, String>>,
+        health: &BTreeMap<String, plugin::Health>,
+    ) {
+        let observed = Observed {
+            checks: self.validation.checks().to_vec(),
+            mig: Some(self.mig.status()),
+            gpu_health: match inventory {
+                Some(Ok(inv)) => Some(gpu_health(inv, health)),
+                _ => None,
+            },
+            pod_resources: self.sampling.pod_resources.clone(),
+            cdi_error: self.cdi.last_error.clone(),
+        };
+        self.events.observe(gpunode, observed).await;
+        let status = status::build_status(
+            StatusInputs {
+                gpunode,
+                inventory,
+                health,
+                idle: &self.sampling.idle,
+                pods: &self.sampling.pods,
+                pod_resources: self.sampling.pod_resources.as_ref(),
+                checks: self.validation.checks(),
+                mig: self.mig.status(),
+                cdi: self.cdi.status.clone(),
+            },
+            &mut self.conditions,
+            Timestamp::now(),
+        );
+        let checks = self.validation.checks();
+        let validated = !checks.is_empty() && checks.iter().all(|c| c.passed);
+        self.status.publish(gpunode, status).await;
+        agent.metrics.set(figures(FigureInputs {
+            inventory,
+            health,
+            samples: &self.sampling.samples,
+            xids: self.validation.xid_counts(),
+            validated,
+            status_writes: self.status.writes(),
+            cdi_writes: self.cdi.writes,
+        }));
+    }
+}
+
+/// Each GPU's health as Events tell it: the health monitor's verdict on the advertised device,
+/// else what the inventory read of the GPU said.
+fn gpu_health(
+    inv: &Inventory,
+    health: &BTreeMap<String, plugin::Health>,
+) -> BTreeMap<u32, GpuHealthSeen> {
+    inv.gpus
+        .iter()
+        .map(|g| {
+            let uuid = g.device.uuid.to_string();
+            let fault = match health.get(&uuid) {
+                Some(plugin::Health::Unhealthy { reason }) => Some(reason.clone()),
+                _ => g.health.as_ref().err().cloned(),
+            };
+            (g.device.index, GpuHealthSeen { uuid, fault })
+        })
+        .collect()
+}

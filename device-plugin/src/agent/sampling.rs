@@ -1,0 +1,95 @@
+//! Utilization sampling as a job of the agent: on the pool's interval, each device's activity
+//! feeds the idleness tracker, and the kubelet's PodResources API says which pods hold what.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpupool_crds::node::PodRef;
+use k8s_openapi::jiff::Timestamp;
+use tokio::time::Instant;
+
+use super::blocking;
+use crate::backend::GpuBackend;
+use crate::inventory::Inventory;
+use crate::podresources;
+use crate::utilization::{self, DeviceSample, IdleTracker};
+
+/// The shortest sampling interval honoured, whatever the spec says.
+const MIN_INTERVAL: Duration = Duration::from_millis(200);
+
+/// Samples, idleness and the pods holding each device.
+pub struct SamplingJob {
+    socket: PathBuf,
+    next: Instant,
+    /// Idleness per device, with hysteresis.
+    pub idle: IdleTracker,
+    /// The last sample per device UUID.
+    pub samples: BTreeMap<String, DeviceSample>,
+    /// Pods holding each device UUID.
+    pub pods: BTreeMap<String, Vec<PodRef>>,
+    /// The last PodResources call; `None` before the first.
+    pub pod_resources: Option<Result<(), String>>,
+}
+
+impl SamplingJob {
+    /// A job reading PodResources at `socket`, a device idle after `idle_samples` idle samples.
+    pub fn new(socket: PathBuf, idle_samples: u32, now: Instant) -> SamplingJob {
+        SamplingJob {
+            socket,
+            next: now,
+            idle: IdleTracker::new(idle_samples),
+            samples: BTreeMap::new(),
+            pods: BTreeMap::new(),
+            pod_resources: None,
+        }
+    }
+
+    /// When the next sample is due.
+    pub fn next(&self) -> Instant {
+        self.next
+    }
+
+    /// Samples if due at `now` (with a backend and an inventory), then schedules the next one
+    /// `interval` later.
+    pub async fn run_if_due(
+        &mut self,
+        backend: Option<&Arc<dyn GpuBackend>>,
+        inventory: Option<&Inventory>,
+        idle_threshold: u32,
+        interval: Duration,
+        now: Instant,
+    ) {
+        if now < self.next {
+            return;
+        }
+        if let (Some(backend), Some(inv)) = (backend, inventory) {
+            self.sample(backend, inv, idle_threshold).await;
+        }
+        self.next = now + interval.max(MIN_INTERVAL);
+    }
+
+    async fn sample(&mut self, backend: &Arc<dyn GpuBackend>, inv: &Inventory, threshold: u32) {
+        let inv2 = inv.clone();
+        let samples = blocking(backend, move |b| utilization::sample(b, &inv2, threshold))
+            .await
+            .unwrap_or_default();
+        let activity = samples
+            .iter()
+            .map(|(k, s)| (k.clone(), s.activity))
+            .collect();
+        self.idle.observe(&activity, Timestamp::now());
+        self.samples = samples;
+        match podresources::list_pod_devices(&self.socket, Duration::from_secs(5)).await {
+            Ok(map) => {
+                self.pods = map;
+                self.pod_resources = Some(Ok(()));
+            }
+            Err(e) => {
+                self.pods.clear();
+                self.pod_resources = Some(Err(e.to_string()));
+            }
+        }
+    }
+}

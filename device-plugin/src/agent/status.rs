@@ -1,0 +1,559 @@
+//! GpuNode status: built from what the agent's jobs last saw (pure), and written with
+//! server-side apply only when it differs from what was written last, so a steady node costs no
+//! writes.
+
+use std::collections::BTreeMap;
+
+use gpupool_crds::node::{
+    CdiStatus, CheckResult, GpuNode, GpuNodeStatus, GpuStatus, Health as StatusHealth, Idleness,
+    MigDeviceStatus, NodeMigStatus, PodRef,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+
+use super::FIELD_MANAGER;
+use super::advertise::cdi_naming;
+use crate::inventory::Inventory;
+use crate::plugin::{Advertisement, CdiKind, CdiNaming, Health};
+use crate::utilization::IdleTracker;
+
+/// Health of each advertised device (GPU or MIG UUID), from the health-overlaid advertisement.
+pub fn device_health(adv: &Advertisement) -> BTreeMap<String, Health> {
+    adv.resources
+        .values()
+        .flatten()
+        .map(|d| (d.id.to_string(), d.health.clone()))
+        .collect()
+}
+
+fn to_status(h: Option<&Health>) -> (StatusHealth, Option<String>) {
+    match h {
+        Some(Health::Unhealthy { reason }) => (StatusHealth::Unhealthy, Some(reason.clone())),
+        _ => (StatusHealth::Healthy, None),
+    }
+}
+
+/// The `gpus` list of GpuNode status. MIG devices' `cdiName` is `cdi_kind` qualifying the name
+/// `naming` gives them: the one the kubelet plugins' `Allocate` hands out.
+pub fn gpu_statuses(
+    inventory: &Inventory,
+    health: &BTreeMap<String, Health>,
+    idle: &IdleTracker,
+    pods: &BTreeMap<String, Vec<PodRef>>,
+    cdi_kind: &CdiKind,
+    naming: CdiNaming,
+) -> Vec<GpuStatus> {
+    inventory
+        .gpus
+        .iter()
+        .map(|g| {
+            let uuid = g.device.uuid.to_string();
+            let mig_health: Vec<Option<&Health>> = g
+                .mig_devices
+                .iter()
+                .map(|m| health.get(m.uuid.as_str()))
+                .collect();
+            let (mut gpu_health, mut reason) = to_status(health.get(&uuid));
+            // Under MIG the GPU itself may not be advertised; it is unhealthy when all of its
+            // advertised MIG devices are.
+            if health.get(&uuid).is_none()
+                && !mig_health.is_empty()
+                && mig_health
+                    .iter()
+                    .all(|h| matches!(h, Some(Health::Unhealthy { .. })))
+            {
+                (gpu_health, reason) = to_status(mig_health[0]);
+            }
+            if let Err(e) = &g.health
+                && (e.contains("fallen off the bus") || e.contains("lost"))
+            {
+                gpu_health = StatusHealth::Unhealthy;
+                reason = Some(e.clone());
+            }
+            let mig_devices = g
+                .mig_devices
+                .iter()
+                .enumerate()
+                .map(|(j, m)| {
+                    let (h, _) = to_status(health.get(m.uuid.as_str()));
+                    MigDeviceStatus {
+                        uuid: m.uuid.to_string(),
+                        profile: m.profile.to_string(),
+                        gpu_instance: m.gpu_instance.0,
+                        compute_instance: m.compute_instance.0,
+                        cdi_name: cdi_kind.qualify(&naming.mig_device_name(
+                            g.device.index,
+                            j as u32,
+                            m.uuid.as_str(),
+                        )),
+                        health: h,
+                        idleness: idle.idleness(
+                            m.uuid.as_str(),
+                            pods.get(m.uuid.as_str()).cloned().unwrap_or_default(),
+                        ),
+                    }
+                })
+                .collect();
+            GpuStatus {
+                index: g.device.index,
+                uuid: uuid.clone(),
+                model: g.device.name.clone(),
+                memory_mib: g.device.memory_mib,
+                pci_bus_id: g.device.pci_bus_id.clone(),
+                health: gpu_health,
+                reason,
+                mig_enabled: g.mig_enabled(),
+                mig_pending: g
+                    .mig_mode
+                    .filter(|m| m.pending != m.current)
+                    .map(|m| m.pending),
+                mig_devices,
+                idleness: if g.mig_enabled() {
+                    Idleness::default()
+                } else {
+                    idle.idleness(&uuid, pods.get(&uuid).cloned().unwrap_or_default())
+                },
+            }
+        })
+        .collect()
+}
+
+/// `True` / `False` from check results (`Unknown` when there are none).
+pub fn validated(checks: &[CheckResult]) -> String {
+    if checks.is_empty() {
+        "Unknown".to_owned()
+    } else if checks.iter().all(|c| c.passed) {
+        "True".to_owned()
+    } else {
+        "False".to_owned()
+    }
+}
+
+/// Sets a condition in `conditions`, keeping its `lastTransitionTime` unless the status
+/// changes. `now` is truncated to seconds, as the API stores it.
+pub fn set_condition(
+    conditions: &mut Vec<Condition>,
+    type_: &str,
+    status: bool,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
+    let status = if status { "True" } else { "False" }.to_owned();
+    let now = Timestamp::from_second(now.as_second()).unwrap_or(now);
+    match conditions.iter_mut().find(|c| c.type_ == type_) {
+        Some(c) => {
+            if c.status != status {
+                c.last_transition_time = Time(now);
+            }
+            c.status = status;
+            c.reason = reason.to_owned();
+            c.message = message.to_owned();
+            c.observed_generation = generation;
+        }
+        None => conditions.push(Condition {
+            type_: type_.to_owned(),
+            status,
+            reason: reason.to_owned(),
+            message: message.to_owned(),
+            observed_generation: generation,
+            last_transition_time: Time(now),
+        }),
+    }
+    conditions.sort_by(|a, b| a.type_.cmp(&b.type_));
+}
+
+/// Everything GpuNode status is built from: what each of the agent's jobs last saw.
+pub struct StatusInputs<'a> {
+    /// The GpuNode (its spec's CDI kind and naming, its generation).
+    pub gpunode: &'a GpuNode,
+    /// The GPUs, or why they could not be read; `None` without a backend.
+    pub inventory: Option<&'a Result<Inventory, String>>,
+    /// Health per advertised device.
+    pub health: &'a BTreeMap<String, Health>,
+    /// Idleness per device.
+    pub idle: &'a IdleTracker,
+    /// Pods holding each device.
+    pub pods: &'a BTreeMap<String, Vec<PodRef>>,
+    /// The last PodResources call; `None` before the first.
+    pub pod_resources: Option<&'a Result<(), String>>,
+    /// The driver checks as last run.
+    pub checks: &'a [CheckResult],
+    /// The MIG state machine's status.
+    pub mig: NodeMigStatus,
+    /// The CDI spec as last written.
+    pub cdi: Option<CdiStatus>,
+}
+
+/// GpuNode status from `inputs`. `conditions` carries the agent's conditions from one build to
+/// the next, so that a condition keeps its transition time while its status holds.
+pub fn build_status(
+    inputs: StatusInputs<'_>,
+    conditions: &mut Vec<Condition>,
+    now: Timestamp,
+) -> GpuNodeStatus {
+    let generation = inputs.gpunode.metadata.generation;
+    let spec = &inputs.gpunode.spec;
+    let kind = spec.cdi.kind.parse::<CdiKind>().unwrap_or_default();
+    let (driver_version, cuda_version, gpus) = match inputs.inventory {
+        Some(Ok(inv)) => (
+            Some(inv.driver.driver_version.clone()),
+            Some(inv.driver.cuda_version.to_string()),
+            gpu_statuses(
+                inv,
+                inputs.health,
+                inputs.idle,
+                inputs.pods,
+                &kind,
+                cdi_naming(&spec.cdi.device_name_strategies),
+            ),
+        ),
+        _ => (None, None, Vec::new()),
+    };
+    if let Some(pr) = inputs.pod_resources {
+        let (ok, reason, msg) = match pr {
+            Ok(()) => (
+                true,
+                "Listed",
+                "the kubelet PodResources API answers".to_owned(),
+            ),
+            Err(e) => (false, "Unavailable", e.clone()),
+        };
+        set_condition(
+            conditions,
+            "PodResourcesAvailable",
+            ok,
+            reason,
+            &msg,
+            generation,
+            now,
+        );
+    }
+    let healthy = gpus
+        .iter()
+        .filter(|g| g.health == StatusHealth::Healthy)
+        .count() as u32;
+    GpuNodeStatus {
+        observed_generation: generation,
+        driver_version,
+        cuda_version,
+        gpu_count: gpus.len() as u32,
+        healthy_gpus: healthy,
+        validated: Some(validated(inputs.checks)),
+        checks: inputs.checks.to_vec(),
+        gpus,
+        mig: inputs.mig,
+        cdi: inputs.cdi,
+        conditions: conditions.clone(),
+    }
+}
+
+/// Writes GpuNode status with server-side apply, only when it differs from the last status
+/// written (or, for a GpuNode not written yet, from the one the server holds).
+pub struct StatusPublisher {
+    api: Api<GpuNode>,
+    /// The GpuNode's UID and the status last written to it.
+    last_written: Option<(String, GpuNodeStatus)>,
+    writes: u64,
+}
+
+impl StatusPublisher {
+    /// A publisher writing through `client`.
+    pub fn new(client: Client) -> StatusPublisher {
+        StatusPublisher {
+            api: Api::all(client),
+            last_written: None,
+            writes: 0,
+        }
+    }
+
+    /// Status writes so far.
+    pub fn writes(&self) -> u64 {
+        self.writes
+    }
+
+    /// Writes `status` to `gpunode` unless it is what the GpuNode already has. A failed write is
+    /// logged and tried again at the next report.
+    pub async fn publish(&mut self, gpunode: &GpuNode, status: GpuNodeStatus) {
+        let uid = gpunode.uid().unwrap_or_default();
+        let unchanged = match &self.last_written {
+            Some((u, last)) if *u == uid => *last == status,
+            // First pass for this object: compare with what the server holds.
+            _ => gpunode.status.as_ref() == Some(&status),
+        };
+        if unchanged {
+            self.last_written = Some((uid, status));
+            return;
+        }
+        let patch = json!({
+            "apiVersion": "gpupool.io/v1alpha1",
+            "kind": "GpuNode",
+            "status": status,
+        });
+        match self
+            .api
+            .patch_status(
+                &gpunode.name_any(),
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
+            .await
+        {
+            Ok(_) => {
+                self.writes += 1;
+                tracing::debug!("GpuNode status written");
+                self.last_written = Some((uid, status));
+            }
+            Err(e) => tracing::warn!(error = %e, "writing GpuNode status"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::advertise::advertisement;
+    use crate::backend::{CiProfileId, GiProfileId, GpuBackend, ManualClock, SimBackend};
+    use crate::plugin::allocate::container_response;
+    use crate::plugin::{AllocateOptions, ResourceView, Topology};
+    use gpupool_crds::catalog;
+    use gpupool_crds::policy::{CdiDeviceNameStrategy, MigStrategy as CrdMigStrategy};
+    use std::sync::Arc;
+
+    #[test]
+    fn conditions_keep_transition_time_until_status_changes() {
+        let t = |s: i64| Timestamp::from_second(1_700_000_000 + s).unwrap();
+        let mut c = Vec::new();
+        set_condition(
+            &mut c,
+            "PodResourcesAvailable",
+            false,
+            "SocketMissing",
+            "m",
+            Some(1),
+            t(0),
+        );
+        set_condition(
+            &mut c,
+            "PodResourcesAvailable",
+            false,
+            "SocketMissing",
+            "m",
+            Some(1),
+            t(10),
+        );
+        assert_eq!(c[0].last_transition_time, Time(t(0)));
+        set_condition(
+            &mut c,
+            "PodResourcesAvailable",
+            true,
+            "Listed",
+            "ok",
+            Some(1),
+            t(20),
+        );
+        assert_eq!(c[0].last_transition_time, Time(t(20)));
+        assert_eq!(c.len(), 1);
+    }
+
+    #[test]
+    fn validated_summary() {
+        let ok = CheckResult {
+            name: "A".into(),
+            passed: true,
+            message: String::new(),
+        };
+        let bad = CheckResult {
+            passed: false,
+            ..ok.clone()
+        };
+        assert_eq!(validated(&[]), "Unknown");
+        assert_eq!(validated(std::slice::from_ref(&ok)), "True");
+        assert_eq!(validated(&[ok, bad]), "False");
+    }
+
+    fn gpunode(uid: &str, status: Option<GpuNodeStatus>) -> GpuNode {
+        let mut gn = GpuNode::new(
+            "node-a",
+            gpupool_crds::node::GpuNodeSpec {
+                pool: "p".into(),
+                driver: Default::default(),
+                cdi: Default::default(),
+                mig: Default::default(),
+                utilization: Default::default(),
+            },
+        );
+        gn.metadata.uid = Some(uid.into());
+        gn.metadata.generation = Some(3);
+        gn.status = status;
+        gn
+    }
+
+    fn status_for(gn: &GpuNode, checks: &[CheckResult]) -> GpuNodeStatus {
+        let inv: Result<Inventory, String> = Ok(crate::agent::testing::inventory());
+        build_status(
+            StatusInputs {
+                gpunode: gn,
+                inventory: Some(&inv),
+                health: &BTreeMap::new(),
+                idle: &IdleTracker::new(1),
+                pods: &BTreeMap::new(),
+                pod_resources: Some(&Ok(())),
+                checks,
+                mig: NodeMigStatus::default(),
+                cdi: None,
+            },
+            &mut Vec::new(),
+            Timestamp::from_second(1_700_000_000).unwrap(),
+        )
+    }
+
+    #[test]
+    fn status_is_built_from_the_jobs() {
+        let gn = gpunode("u1", None);
+        let ok = CheckResult {
+            name: "DriverVersion".parse().unwrap(),
+            passed: true,
+            message: String::new(),
+        };
+        let s = status_for(&gn, std::slice::from_ref(&ok));
+        assert_eq!(s.observed_generation, Some(3));
+        assert_eq!((s.gpu_count, s.healthy_gpus), (2, 2));
+        assert_eq!(s.validated, Some(validated(&[ok])));
+        assert_eq!(s.driver_version.as_deref(), Some("550.54.15"));
+        assert_eq!(s.conditions.len(), 1);
+        assert_eq!(s.conditions[0].type_, "PodResourcesAvailable");
+        assert_eq!(s.conditions[0].status, "True");
+    }
+
+    #[tokio::test]
+    async fn status_is_applied_only_when_it_changes() {
+        use crate::agent::testing::{ApiMock, Expect};
+        let (client, mock) = ApiMock::new();
+        let apply = |healthy: u64| Expect {
+            method: "PATCH",
+            path: "/apis/gpupool.io/v1alpha1/gpunodes/node-a/status",
+            query: &["fieldManager=gpupool-agent", "force=true"],
+            status: 200,
+            check: Box::new(move |body: &serde_json::Value| {
+                assert_eq!(body["kind"], "GpuNode", "{body}");
+                assert_eq!(body["status"]["healthyGpus"], healthy, "{body}");
+            }),
+            reply: Some(serde_json::to_value(gpunode("u1", None)).unwrap()),
+        };
+        let server = mock.serve(vec![apply(2), apply(1)]);
+        let mut publisher = StatusPublisher::new(client);
+        let gn = gpunode("u1", None);
+        let status = status_for(&gn, &[]);
+        publisher.publish(&gn, status.clone()).await;
+        publisher.publish(&gn, status.clone()).await; // unchanged: no request
+        let mut worse = status.clone();
+        worse.healthy_gpus = 1;
+        publisher.publish(&gn, worse).await;
+        assert_eq!(publisher.writes(), 2);
+        // A new GpuNode (new UID) that already holds this status on the server: no write.
+        let again = gpunode("u2", Some(status.clone()));
+        publisher.publish(&again, status).await;
+        assert_eq!(publisher.writes(), 2);
+        drop(publisher);
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_refused_status_write_is_tried_again() {
+        use crate::agent::testing::{ApiMock, Expect};
+        let (client, mock) = ApiMock::new();
+        let apply = |status| Expect {
+            method: "PATCH",
+            path: "/apis/gpupool.io/v1alpha1/gpunodes/node-a/status",
+            query: &["fieldManager=gpupool-agent"],
+            status,
+            check: Box::new(|_: &serde_json::Value| {}),
+            reply: Some(serde_json::to_value(gpunode("u1", None)).unwrap()),
+        };
+        let server = mock.serve(vec![apply(403), apply(200)]);
+        let mut publisher = StatusPublisher::new(client);
+        let gn = gpunode("u1", None);
+        let status = status_for(&gn, &[]);
+        publisher.publish(&gn, status.clone()).await;
+        assert_eq!(publisher.writes(), 0);
+        publisher.publish(&gn, status).await;
+        assert_eq!(publisher.writes(), 1);
+        drop(publisher);
+        server.await.unwrap();
+    }
+
+    /// An A30 with three MIG devices and an L4 (fixtures/mixed-small.yaml).
+    fn mig_inventory() -> Inventory {
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures")
+            .join("mixed-small.yaml");
+        let sim = SimBackend::from_file(&fixture, Arc::new(ManualClock::new())).unwrap();
+        let a30 = catalog::model_by_product_name("NVIDIA A30").unwrap();
+        for step in catalog::plan_layout(a30, &["1g.6gb", "2g.12gb", "1g.6gb"]).unwrap() {
+            let gi = sim
+                .create_gpu_instance(0, GiProfileId(step.profile.profile_id), Some(step.start))
+                .unwrap();
+            sim.create_compute_instance(0, gi.id, CiProfileId(step.profile.compute_slices - 1))
+                .unwrap();
+        }
+        Inventory::read(&sim).unwrap()
+    }
+
+    #[test]
+    fn status_reports_the_mig_cdi_names_allocate_hands_out() {
+        use CdiDeviceNameStrategy::{Index, Uuid};
+        let inv = mig_inventory();
+        let kind: CdiKind = "example.com/gpu".parse().unwrap();
+        let options = AllocateOptions {
+            cdi_kind: kind.clone(),
+            ..AllocateOptions::default()
+        };
+        for strategies in [vec![Index, Uuid], vec![Uuid], vec![Index], vec![]] {
+            let adv = advertisement(
+                &inv,
+                CrdMigStrategy::Mixed,
+                &strategies,
+                Arc::new(Topology::new()),
+            );
+            let statuses = gpu_statuses(
+                &inv,
+                &BTreeMap::new(),
+                &IdleTracker::new(1),
+                &BTreeMap::new(),
+                &kind,
+                cdi_naming(&strategies),
+            );
+            let migs: Vec<_> = statuses.iter().flat_map(|g| &g.mig_devices).collect();
+            assert_eq!(migs.len(), 3, "{strategies:?}");
+            for (j, m) in migs.iter().enumerate() {
+                // What Allocate answers for this device, through the plugin's own code.
+                let (resource, devices) = adv
+                    .resources
+                    .iter()
+                    .find(|(_, ds)| ds.iter().any(|d| d.id.as_str() == m.uuid))
+                    .unwrap_or_else(|| panic!("{} not advertised", m.uuid));
+                let view =
+                    ResourceView::new(resource.clone(), 1, devices.clone(), adv.topology.clone());
+                let response =
+                    container_response(&view, std::slice::from_ref(&m.uuid), &options).unwrap();
+                let handed_out: Vec<&str> = response
+                    .cdi_devices
+                    .iter()
+                    .map(|d| d.name.as_str())
+                    .collect();
+                assert_eq!(handed_out, [m.cdi_name.as_str()], "{strategies:?}");
+                let want = if strategies.contains(&Uuid) {
+                    format!("example.com/gpu={}", m.uuid)
+                } else {
+                    format!("example.com/gpu=0:{j}")
+                };
+                assert_eq!(m.cdi_name, want, "{strategies:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! The kubelet's PodResources API: which pods hold which GPU and MIG devices.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use gpupool_crds::node::PodRef;
+
+use crate::plugin::api::podresources_v1::ListPodResourcesRequest;
+use crate::plugin::api::podresources_v1::pod_resources_lister_client::PodResourcesListerClient;
+
+/// Why the PodResources API could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum PodResourcesError {
+    /// No socket (kubelet not running, or the feature gate off).
+    #[error("PodResources socket {0} not found")]
+    Missing(String),
+    /// Connecting or calling failed.
+    #[error("PodResources List on {path}: {detail}")]
+    Call {
+        /// The socket.
+        path: String,
+        /// What went wrong.
+        detail: String,
+    },
+}
+
+/// Device ID (UUID) → pods holding it, for `nvidia.com/*` resources, from the kubelet's
+/// PodResources `List`.
+pub async fn list_pod_devices(
+    socket: &Path,
+    timeout: Duration,
+) -> Result<BTreeMap<String, Vec<PodRef>>, PodResourcesError> {
+    let path = socket.display().to_string();
+    if !socket.exists() {
+        return Err(PodResourcesError::Missing(path));
+    }
+    let channel = crate::plugin::connect_unix(socket, timeout)
+        .await
+        .map_err(|e| PodResourcesError::Call {
+            path: path.clone(),
+            detail: e.to_string(),
+        })?;
+    let mut client = PodResourcesListerClient::new(channel);
+    let response = tokio::time::timeout(timeout, client.list(ListPodResourcesRequest {}))
+        .await
+        .map_err(|_| PodResourcesError::Call {
+            path: path.clone(),
+            detail: "timed out".into(),
+        })?
+        .map_err(|e| PodResourcesError::Call {
+            path: path.clone(),
+            detail: e.to_string(),
+        })?
+        .into_inner();
+    let mut out: BTreeMap<String, Vec<PodRef>> = BTreeMap::new();
+    for pod in response.pod_resources {
+        for container in pod.containers {
+            for devices in container.devices {
+                if !devices.resource_name.starts_with("nvidia.com/") {
+                    continue;
+                }
+                for id in devices.device_ids {
+                    let holders = out.entry(id).or_default();
+                    let r = PodRef {
+                        namespace: pod.namespace.clone(),
+                        name: pod.name.clone(),
+                        container: Some(container.name.clone()),
+                    };
+                    if !holders.contains(&r) {
+                        holders.push(r);
+                    }
+                }
+            }
+        }
+    }
+    for holders in out.values_mut() {
+        holders.sort();
+    }
+    Ok(out)
+}
