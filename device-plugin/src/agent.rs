@@ -1161,7 +1161,7 @@ mod tests {
     use crate::backend::{CiProfileId, GiProfileId, ManualClock, SimBackend};
     use crate::plugin::allocate::container_response;
     use crate::plugin::{AllocateOptions, ResourceView};
-    use gpupool_crds::catalog;
+    use gpupool_mig_catalog as catalog;
 
     /// An A30 with three MIG devices and an L4 (fixtures/mixed-small.yaml).
     fn mig_inventory() -> Inventory {

@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use gpupool_crds::catalog;
 use gpupool_crds::policy::{DriverCheck, DriverPolicy};
 use gpupool_device_plugin::backend::sim::model::{Node, StateFile};
 use gpupool_device_plugin::backend::{
@@ -21,6 +20,7 @@ use gpupool_device_plugin::backend::{
     PcieLink, Placement, SimBackend,
 };
 use gpupool_device_plugin::validate;
+use gpupool_mig_catalog as catalog;
 
 // ---------------------------------------------------------------------------------------------
 // Harnesses

@@ -21,9 +21,8 @@
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]
 
-#[allow(dead_code)]
-#[path = "../../../crds/src/catalog.rs"]
-mod catalog;
+/// The MIG catalog, where `model.rs` expects it (`super::catalog`).
+use gpupool_mig_catalog as catalog;
 #[allow(dead_code)]
 #[path = "../../../device-plugin/src/backend/sim/model.rs"]
 mod model;

@@ -7,7 +7,7 @@
 pub mod model;
 
 /// The MIG catalog, where `model.rs` expects it (`super::catalog`).
-pub use gpupool_crds::catalog;
+pub use gpupool_mig_catalog as catalog;
 
 use std::collections::BTreeSet;
 use std::path::Path;
