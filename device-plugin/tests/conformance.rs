@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use gpupool_crds::policy::{DriverCheck, DriverPolicy};
-use gpupool_device_plugin::backend::sim::model::{Node, StateFile};
 use gpupool_device_plugin::backend::{
     CiProfileId, ComputeInstanceId, ErrorKind, Fault, FaultKind, GiProfileId, GpuBackend,
     GpuInstanceId, HealthEventKind, ManualClock, MigMode, MigModeChange, NvmlBackend, NvmlOptions,
@@ -21,6 +20,7 @@ use gpupool_device_plugin::backend::{
 };
 use gpupool_device_plugin::validate;
 use gpupool_mig_catalog as catalog;
+use gpupool_sim::{Node, StateFile};
 
 // ---------------------------------------------------------------------------------------------
 // Harnesses

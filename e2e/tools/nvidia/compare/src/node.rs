@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail, ensure};
-use gpupool_device_plugin::backend::sim::model;
 use gpupool_device_plugin::backend::{GpuBackend, NvmlBackend, NvmlOptions};
+use gpupool_sim as model;
 
 /// Where the fake library finds its fixture (read by the library in every process).
 pub const FIXTURE_ENV: &str = "GPUPOOL_FAKE_NVML_FIXTURE";
