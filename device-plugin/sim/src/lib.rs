@@ -7,11 +7,14 @@
 //! - [`node`]: a fixture resolved into GPUs (UUIDs, bus IDs, topology); immutable.
 //! - [`state`]: what changes while the node runs, and what NVML answers from it.
 //! - [`state_file`]: the state kept in a locked JSON file, shared by processes.
+//! - `driver_root` (feature `driver-root`): a fake driver install for tests and the demo.
 //!
 //! Errors are [`SimError`] values that mirror NVML return codes one to one, so the fake can
 //! return exactly what a driver would and `SimBackend` can map them as `NvmlBackend` maps
 //! NVML's.
 
+#[cfg(feature = "driver-root")]
+pub mod driver_root;
 pub mod error;
 pub mod fixture;
 pub mod models;
