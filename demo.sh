@@ -87,14 +87,15 @@ e2e/tools/build.sh
 BIN=$(e2e/tools/build.sh --print-bin-dir)
 echo "tools ready in $((SECONDS - start))s"
 
-step "building the operator and the node agent (cargo, debug profile)"
+step "building the operator, the node agent and the fake driver root builder (cargo, debug profile)"
 start=$SECONDS
 # One cargo invocation per artifact (see e2e/artifacts.sh for why).
 eval "$(e2e/artifacts.sh)"
 # Private copies: the shared target directory may be rebuilt while the demo runs.
 stop_processes
 mkdir -p "$DEMO/bin" "$DEMO/pids" "$DEMO/logs"
-cp "$GPUPOOL_OPERATOR_BIN" "$GPUPOOL_AGENT_BIN" "$DEMO/bin/"
+cp "$GPUPOOL_OPERATOR_BIN" "$GPUPOOL_AGENT_BIN" "$GPUPOOL_FAKE_DRIVER_ROOT_BIN" "$DEMO/bin/"
+FAKE_DRIVER_ROOT=$DEMO/bin/$(basename "$GPUPOOL_FAKE_DRIVER_ROOT_BIN")
 echo "binaries ready in $((SECONDS - start))s"
 
 step "starting the control plane with 3 simulated GPU nodes"
@@ -158,34 +159,14 @@ start() {
 }
 
 # fake_host DIR DRIVER_VERSION GPUS: a driver root as a driver installs it (device nodes as
-# plain files, MIG capability minors, kernel module version, libraries), a kubelet dir, a CDI dir.
+# plain files, MIG capability minors, kernel module version, libraries, nvidia-smi, firmware;
+# built by gpupool-fake-driver-root, the builder the tests use), a kubelet dir, a CDI dir.
 fake_host() {
-    local dir=$1 ver=$2 gpus=$3 root=$1/driver g gi ci next=3
+    local dir=$1 ver=$2 gpus=$3
     rm -rf "$dir"
-    mkdir -p "$root/dev/nvidia-caps" "$root/proc/driver/nvidia-caps" "$root/proc/driver/nvidia" \
-        "$root/usr/lib/x86_64-linux-gnu" "$root/usr/bin" "$dir/kubelet/device-plugins" "$dir/cdi"
-    touch "$root"/dev/{nvidiactl,nvidia-uvm,nvidia-uvm-tools,nvidia-modeset} "$root/usr/bin/nvidia-smi"
+    mkdir -p "$dir/kubelet/device-plugins" "$dir/cdi"
     : >"$dir/kmsg"   # the kernel log the XidErrors check reads: empty, no Xid since boot
-    {
-        echo "config 1"
-        echo "monitor 2"
-        for ((g = 0; g < gpus; g++)); do
-            touch "$root/dev/nvidia$g"
-            for ((gi = 0; gi < 15; gi++)); do
-                echo "gpu$g/gi$gi/access $next"
-                next=$((next + 1))
-                for ((ci = 0; ci < 8; ci++)); do
-                    echo "gpu$g/gi$gi/ci$ci/access $next"
-                    next=$((next + 1))
-                done
-            done
-        done
-    } >"$root/proc/driver/nvidia-caps/mig-minors"
-    (cd "$root/dev/nvidia-caps" && seq -f 'nvidia-cap%g' 1 $((next - 1)) | xargs touch)
-    echo "NVRM version: NVIDIA UNIX x86_64 Kernel Module  $ver" >"$root/proc/driver/nvidia/version"
-    for lib in libcuda libnvidia-ml libnvidia-ptxjitcompiler; do
-        touch "$root/usr/lib/x86_64-linux-gnu/$lib.so.$ver"
-    done
+    "$FAKE_DRIVER_ROOT" "$dir/driver" "$ver" "$gpus"
 }
 
 # One row per node: name, fixture model, GPUs, driver, CUDA.

@@ -7,6 +7,8 @@
 #   GPUPOOL_OPERATOR_BIN   the operator          (cargo build -p gpupool-operator --bin …)
 #   GPUPOOL_AGENT_BIN      the node agent        (cargo build -p gpupool-device-plugin --bin …)
 #   GPUPOOL_FAKE_NVML_LIB  the fake NVML library (cargo build -p gpupool-fake-nvml --lib)
+#   GPUPOOL_FAKE_DRIVER_ROOT_BIN  the demo's fake driver root builder
+#                                 (cargo build -p gpupool-sim --bin gpupool-fake-driver-root)
 #
 # One invocation per artifact: a `--bin` filter makes cargo skip a cdylib named beside it, and
 # packages built together share unified features, which is not how either ships. Each output
@@ -33,7 +35,9 @@ build() {
 build gpupool-operator -p gpupool-operator --bin gpupool-operator
 build gpupool-device-plugin -p gpupool-device-plugin --bin gpupool-device-plugin
 build libnvidia_ml.so -p gpupool-fake-nvml --lib
+build gpupool-fake-driver-root -p gpupool-sim --bin gpupool-fake-driver-root
 
 printf 'export GPUPOOL_OPERATOR_BIN=%q\n' "$TARGET/debug/gpupool-operator"
 printf 'export GPUPOOL_AGENT_BIN=%q\n' "$TARGET/debug/gpupool-device-plugin"
 printf 'export GPUPOOL_FAKE_NVML_LIB=%q\n' "$TARGET/debug/libnvidia_ml.so"
+printf 'export GPUPOOL_FAKE_DRIVER_ROOT_BIN=%q\n' "$TARGET/debug/gpupool-fake-driver-root"

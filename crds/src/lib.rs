@@ -4,7 +4,6 @@
 //! The CRD YAML under `crds/` and the chart is generated from these types by `crdgen`;
 //! never edit it by hand.
 
-pub mod catalog;
 pub mod crdgen;
 pub mod labels;
 pub mod node;

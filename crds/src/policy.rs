@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 /// Every MIG profile name that some supported GPU model offers (from the catalog). The CEL
 /// rule on layouts rejects any other name at admission; whether a profile exists on a *given*
 /// model is checked per node by the operator, since the model is only known from the node.
-pub use crate::catalog::ALL_PROFILE_NAMES as KNOWN_MIG_PROFILES;
+pub use gpupool_mig_catalog::ALL_PROFILE_NAMES as KNOWN_MIG_PROFILES;
 
 /// Presets that need no profile name.
 pub const FIXED_MIG_PRESETS: &[&str] = &["all-disabled", "all-enabled", "all-balanced"];

@@ -50,7 +50,7 @@ fn stats(mut samples: Vec<Duration>) -> String {
 fn bench(name: &str, inv: &Inventory) -> Result<(), Box<dyn std::error::Error>> {
     let tmp = tempfile::tempdir()?;
     let root = tmp.path().join("driver");
-    cdi::build_fake_driver_root(&root, &inv.driver.driver_version, inv.gpus.len() as u32)?;
+    gpupool_sim::driver_root::build(&root, &inv.driver.driver_version, inv.gpus.len() as u32)?;
     let opts = CdiOptions::from_policy(&CdiPolicy::default())?;
     let mut fresh = Vec::new();
     let mut unchanged = Vec::new();

@@ -865,61 +865,6 @@ pub fn generate_and_write(
     })
 }
 
-/// Builds a fake driver root for tests, demos and benchmarks: device nodes as plain files,
-/// `libnvidia-ml.so.<ver>` and friends, `nvidia-smi`, GSP firmware, and a `mig-minors` file
-/// covering every GPU instance and compute instance the driver could create on `gpus` GPUs.
-pub fn build_fake_driver_root(root: &Path, driver_version: &str, gpus: u32) -> std::io::Result<()> {
-    let write = |rel: &str, content: &str| -> std::io::Result<()> {
-        let path = root.join(rel);
-        if let Some(parent) = path.parent() {
-            fs::create_dir_all(parent)?;
-        }
-        fs::write(path, content)
-    };
-    for node in CONTROL_NODES {
-        write(node.trim_start_matches('/'), "")?;
-    }
-    let mut minors = String::from("config 1\nmonitor 2\n");
-    let mut next = 3;
-    for gpu in 0..gpus {
-        write(&format!("dev/nvidia{gpu}"), "")?;
-        for gi in 0..15 {
-            minors.push_str(&format!("gpu{gpu}/gi{gi}/access {next}\n"));
-            write(&format!("dev/nvidia-caps/nvidia-cap{next}"), "")?;
-            next += 1;
-            for ci in 0..8 {
-                minors.push_str(&format!("gpu{gpu}/gi{gi}/ci{ci}/access {next}\n"));
-                write(&format!("dev/nvidia-caps/nvidia-cap{next}"), "")?;
-                next += 1;
-            }
-        }
-    }
-    write("proc/driver/nvidia-caps/mig-minors", &minors)?;
-    for lib in [
-        "libcuda",
-        "libnvidia-ml",
-        "libnvidia-ptxjitcompiler",
-        "libnvidia-nvvm",
-    ] {
-        write(
-            &format!("usr/lib/x86_64-linux-gnu/{lib}.so.{driver_version}"),
-            "",
-        )?;
-    }
-    // A library of another driver version, which must be left out.
-    write("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1.0.0", "")?;
-    write("usr/bin/nvidia-smi", "")?;
-    write(
-        &format!("lib/firmware/nvidia/{driver_version}/gsp_ga10x.bin"),
-        "",
-    )?;
-    write(
-        "proc/driver/nvidia/version",
-        &format!("NVRM version: NVIDIA UNIX x86_64 Kernel Module  {driver_version}\n"),
-    )?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -13,8 +13,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use gpupool_crds::catalog::{self, GpuModel, PlanError};
 use gpupool_crds::node::{GpuMigSpec, MigState, NodeMigSpec, NodeMigStatus};
+use gpupool_mig_catalog::{self as catalog, GpuModel, PlanError};
 
 use crate::backend::{self, GiProfileId, GpuBackend, GpuInstanceId, MigMode, MigModeChange};
 use crate::inventory::Inventory;

@@ -21,6 +21,7 @@ use gpupool_device_plugin::cdi::{
 };
 use gpupool_device_plugin::inventory::Inventory;
 use gpupool_device_plugin::mig;
+use gpupool_sim::driver_root;
 
 fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
@@ -53,7 +54,7 @@ fn options() -> CdiOptions {
 /// replaced by `/DRIVER_ROOT`, device names, the spec dir).
 fn generate(inv: &Inventory, tmp: &Path) -> (String, Vec<String>, PathBuf) {
     let root = tmp.join("driver");
-    cdi::build_fake_driver_root(&root, &inv.driver.driver_version, inv.gpus.len() as u32).unwrap();
+    driver_root::build(&root, &inv.driver.driver_version, inv.gpus.len() as u32).unwrap();
     let spec_dir = tmp.join("cdi");
     let outcome = cdi::generate_and_write(inv, &root, &spec_dir, &options()).unwrap();
     assert!(outcome.skipped.is_empty(), "{:?}", outcome.skipped);
@@ -182,13 +183,26 @@ fn mig_devices_get_parent_and_capability_nodes() {
 }
 
 #[test]
+fn fake_driver_root_has_every_control_node_the_spec_names() {
+    // The builder lives in gpupool-sim, which cannot see this crate's list; keep them in step.
+    let mut built: Vec<String> = driver_root::CONTROL_NODES
+        .iter()
+        .map(|n| format!("/{n}"))
+        .collect();
+    let mut named: Vec<String> = cdi::CONTROL_NODES.iter().map(|n| (*n).to_owned()).collect();
+    built.sort();
+    named.sort();
+    assert_eq!(built, named);
+}
+
+#[test]
 fn symlinks_out_of_the_driver_root_are_not_followed() {
     let backend = sim(&fixtures_dir().join("rtx4090.yaml"));
     let inv = Inventory::read(&backend).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("driver");
     let version = inv.driver.driver_version.clone();
-    cdi::build_fake_driver_root(&root, &version, 1).unwrap();
+    driver_root::build(&root, &version, 1).unwrap();
     let outside = tmp.path().join("outside");
     fs::create_dir_all(&outside).unwrap();
     fs::write(outside.join("secret"), "host file").unwrap();
@@ -241,7 +255,7 @@ fn device_node_symlinked_outside_dev_is_left_out() {
     let inv = Inventory::read(&backend).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("driver");
-    cdi::build_fake_driver_root(&root, &inv.driver.driver_version, 4).unwrap();
+    driver_root::build(&root, &inv.driver.driver_version, 4).unwrap();
     fs::remove_file(root.join("dev/nvidia2")).unwrap();
     symlink(root.join("usr/bin/nvidia-smi"), root.join("dev/nvidia2")).unwrap();
     let outcome =
@@ -416,7 +430,7 @@ fn libraries(host: &HostFiles) -> Vec<&str> {
 /// directory only the cache knows, another driver's `libcuda` in a CUDA compat directory, an
 /// AArch64 library and the C library; returns the cache entries that describe it.
 fn root_for_cache(root: &Path, version: &str) -> Vec<(CacheFlags, String, String)> {
-    cdi::build_fake_driver_root(root, version, 1).unwrap();
+    driver_root::build(root, version, 1).unwrap();
     for lib in ["libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler"] {
         link(
             root,
@@ -789,7 +803,7 @@ fn cache_and_scan_make_the_same_spec_on_a_plain_root() {
     for with_cache in [false, true] {
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path().join("driver");
-        cdi::build_fake_driver_root(&root, &version, 1).unwrap();
+        driver_root::build(&root, &version, 1).unwrap();
         if with_cache {
             let libs = [
                 "libcuda",

@@ -12,15 +12,15 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use gpupool_crds::catalog;
 use gpupool_crds::policy::{DriverCheck, DriverPolicy};
-use gpupool_device_plugin::backend::sim::model::{Node, StateFile};
 use gpupool_device_plugin::backend::{
     CiProfileId, ComputeInstanceId, ErrorKind, Fault, FaultKind, GiProfileId, GpuBackend,
     GpuInstanceId, HealthEventKind, ManualClock, MigMode, MigModeChange, NvmlBackend, NvmlOptions,
     PcieLink, Placement, SimBackend,
 };
 use gpupool_device_plugin::validate;
+use gpupool_mig_catalog as catalog;
+use gpupool_sim::{Node, StateFile};
 
 // ---------------------------------------------------------------------------------------------
 // Harnesses

@@ -5,8 +5,8 @@
 //! GPUPOOL_REAL_NVML=1 cargo test -p gpupool-device-plugin --test conformance_hardware -- --nocapture
 //! ```
 
-use gpupool_crds::catalog;
 use gpupool_device_plugin::backend::{ErrorKind, GpuBackend, NvmlBackend, NvmlOptions};
+use gpupool_mig_catalog as catalog;
 
 fn real() -> Option<NvmlBackend> {
     if std::env::var_os("GPUPOOL_REAL_NVML").is_none_or(|v| v != "1") {

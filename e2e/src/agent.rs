@@ -57,73 +57,9 @@ pub async fn wait_status(
 
 /// A driver root as a driver installs it, with device nodes as plain files: control nodes, one
 /// `/dev/nvidiaN` per GPU, MIG capability nodes with their `mig-minors` table, the kernel
-/// module's version file, driver libraries named by `version`, and `nvidia-smi`.
+/// module's version file, driver libraries named by `version`, `nvidia-smi` and GSP firmware.
+/// The one builder the device-plugin tests and the demo use too ([`gpupool_sim::driver_root`]).
 pub fn fake_driver_root(root: &Path, version: &str, gpus: u32) -> Result<()> {
-    let write = |rel: &str, content: &str| -> Result<()> {
-        let path = root.join(rel);
-        fs::create_dir_all(path.parent().context("no parent")?)?;
-        fs::write(&path, content).with_context(|| format!("writing {}", path.display()))?;
-        Ok(())
-    };
-    for n in [
-        "nvidiactl",
-        "nvidia-uvm",
-        "nvidia-uvm-tools",
-        "nvidia-modeset",
-    ] {
-        write(&format!("dev/{n}"), "")?;
-    }
-    let mut minors = String::from("config 1\nmonitor 2\n");
-    let mut next = 3;
-    for gpu in 0..gpus {
-        write(&format!("dev/nvidia{gpu}"), "")?;
-        for gi in 0..15 {
-            minors.push_str(&format!("gpu{gpu}/gi{gi}/access {next}\n"));
-            write(&format!("dev/nvidia-caps/nvidia-cap{next}"), "")?;
-            next += 1;
-            for ci in 0..8 {
-                minors.push_str(&format!("gpu{gpu}/gi{gi}/ci{ci}/access {next}\n"));
-                write(&format!("dev/nvidia-caps/nvidia-cap{next}"), "")?;
-                next += 1;
-            }
-        }
-    }
-    write("proc/driver/nvidia-caps/mig-minors", &minors)?;
-    write(
-        "proc/driver/nvidia/version",
-        &format!("NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}\n"),
-    )?;
-    for lib in ["libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler"] {
-        write(&format!("usr/lib/x86_64-linux-gnu/{lib}.so.{version}"), "")?;
-    }
-    write("usr/bin/nvidia-smi", "")?;
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fake_driver_root_has_nodes_minors_and_versioned_libraries() {
-        let dir =
-            std::env::temp_dir().join(format!("gpupool-e2e-driver-root-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fake_driver_root(&dir, "550.54.15", 2).expect("driver root");
-        for path in [
-            "dev/nvidiactl",
-            "dev/nvidia1",
-            "usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15",
-        ] {
-            assert!(dir.join(path).exists(), "{path}");
-        }
-        assert!(!dir.join("dev/nvidia2").exists());
-        let minors =
-            fs::read_to_string(dir.join("proc/driver/nvidia-caps/mig-minors")).expect("minors");
-        // 2 GPUs × 15 GPU instances × (1 + 8 compute instances) capability nodes, after config/monitor.
-        assert_eq!(minors.lines().count(), 2 + 2 * 15 * 9);
-        assert!(minors.contains("gpu1/gi14/ci7/access 272\n"), "{minors}");
-        assert!(dir.join("dev/nvidia-caps/nvidia-cap272").exists());
-        let _ = fs::remove_dir_all(&dir);
-    }
+    gpupool_sim::driver_root::build(root, version, gpus)
+        .with_context(|| format!("building a fake driver root in {}", root.display()))
 }

@@ -1,8 +1,9 @@
 //! The project's own binaries the tests run: the operator, the node agent and the fake
 //! `libnvidia-ml.so`. Each is either named by an environment variable (`e2e/artifacts.sh`, which
-//! `./test.sh` runs first, builds all three and exports their paths) or built here with one
-//! explicit cargo invocation per artifact, so that nothing depends on what an earlier, unrelated
-//! build left in the target directory.
+//! `./test.sh` runs first, builds all three and exports their paths, along with the demo's
+//! `gpupool-fake-driver-root`, which no test runs: tests call its library directly) or built
+//! here with one explicit cargo invocation per artifact, so that nothing depends on what an
+//! earlier, unrelated build left in the target directory.
 //!
 //! One invocation per artifact on purpose: a `--bin` filter restricts cargo to binary targets
 //! (a `cdylib` named beside it is silently not built), and building two packages together

@@ -2,9 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use gpupool_crds::catalog::{self, GpuModel};
 use gpupool_crds::node::{GpuMigSpec, NodeMigSpec};
 use gpupool_crds::policy::{MigLayout, MigLayoutEntry, MigPolicy};
+use gpupool_mig_catalog::{self as catalog, GpuModel};
 
 /// Label that GPU feature discovery puts on nodes: the product name.
 pub const GFD_PRODUCT_LABEL: &str = "nvidia.com/gpu.product";

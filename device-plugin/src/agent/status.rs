@@ -320,8 +320,8 @@ mod tests {
     use crate::backend::{CiProfileId, GiProfileId, GpuBackend, ManualClock, SimBackend};
     use crate::plugin::allocate::container_response;
     use crate::plugin::{AllocateOptions, ResourceView, Topology};
-    use gpupool_crds::catalog;
     use gpupool_crds::policy::{CdiDeviceNameStrategy, MigStrategy as CrdMigStrategy};
+    use gpupool_mig_catalog as catalog;
     use std::sync::Arc;
 
     #[test]

@@ -89,7 +89,7 @@ impl MigProfile {
 
     /// Whether NVIDIA documents this GPU-instance profile for some model in our catalog.
     pub fn is_known(&self) -> bool {
-        gpupool_crds::catalog::is_known_profile(&self.0)
+        gpupool_mig_catalog::is_known_profile(&self.0)
     }
 }
 

@@ -3,9 +3,9 @@
 //! It exports the NVML C functions gpupool's `NvmlBackend` calls (through nvml-wrapper and its
 //! raw layer), with NVML's signatures, return codes and struct layouts (taken from
 //! nvml-wrapper-sys's generated `nvml.h` bindings), and answers them from a simulator fixture:
-//! the same format and the same state machine as `SimBackend` (`model.rs` is compiled into
-//! both), so the two backends cannot disagree by construction of the data, only by the FFI and
-//! mapping code in between — which is what the conformance suite tests.
+//! the same format and the same state machine as `SimBackend` (both use the `gpupool-sim`
+//! crate), so the two backends cannot disagree by construction of the data, only by the FFI
+//! and mapping code in between — which is what the conformance suite tests.
 //!
 //! - `GPUPOOL_FAKE_NVML_FIXTURE`: the fixture (YAML). Without it `nvmlInit` fails with
 //!   `NVML_ERROR_DRIVER_NOT_LOADED`, as on a node without a driver.
@@ -21,13 +21,6 @@
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]
 
-#[allow(dead_code)]
-#[path = "../../../crds/src/catalog.rs"]
-mod catalog;
-#[allow(dead_code)]
-#[path = "../../../device-plugin/src/backend/sim/model.rs"]
-mod model;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -35,7 +28,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use model::{EventKey, Node, SimError, SimState, StateFile};
+use gpupool_sim::{
+    EventKey, Node, SimError, SimGpu, SimHealth, SimMigDevice, SimState, StateFile, arch,
+};
 use nvml_wrapper_sys::bindings as sys;
 use sys::{nvmlComputeInstance_t, nvmlDevice_t, nvmlEventSet_t, nvmlGpuInstance_t, nvmlReturn_t};
 
@@ -285,7 +280,7 @@ fn ci_of(h: nvmlComputeInstance_t) -> R<(u32, u32, u32)> {
 }
 
 /// The MIG device behind a MIG handle, if it still exists.
-fn mig_device(c: &Ctx, gpu: u32, gi: u32, ci: u32) -> R<model::SimMigDevice> {
+fn mig_device(c: &Ctx, gpu: u32, gi: u32, ci: u32) -> R<SimMigDevice> {
     let (state, now) = c.read()?;
     sim(state.mig_devices(&c.node, gpu, now))?
         .into_iter()
@@ -625,7 +620,7 @@ export! {
 
     fn nvmlDeviceGetRemappedRows(device: nvmlDevice_t, corr: *mut c_uint, unc: *mut c_uint, pending: *mut c_uint, failure: *mut c_uint) {
         let (h, g) = health(device)?;
-        if !g.model.ecc || g.model.architecture < model::arch::AMPERE {
+        if !g.model.ecc || g.model.architecture < arch::AMPERE {
             return Err(NOT_SUPPORTED);
         }
         out(corr, 0)?;
@@ -636,7 +631,7 @@ export! {
 
     fn nvmlDeviceGetRetiredPages_v2(device: nvmlDevice_t, _cause: sys::nvmlPageRetirementCause_t, count: *mut c_uint, addresses: *mut c_ulonglong, timestamps: *mut c_ulonglong) {
         let (h, g) = health(device)?;
-        if !g.model.ecc || g.model.architecture >= model::arch::AMPERE {
+        if !g.model.ecc || g.model.architecture >= arch::AMPERE {
             return Err(NOT_SUPPORTED);
         }
         retired_pages(h.retired, count, addresses, timestamps)
@@ -644,7 +639,7 @@ export! {
 
     fn nvmlDeviceGetRetiredPages(device: nvmlDevice_t, _cause: sys::nvmlPageRetirementCause_t, count: *mut c_uint, addresses: *mut c_ulonglong) {
         let (h, g) = health(device)?;
-        if !g.model.ecc || g.model.architecture >= model::arch::AMPERE {
+        if !g.model.ecc || g.model.architecture >= arch::AMPERE {
             return Err(NOT_SUPPORTED);
         }
         retired_pages(h.retired, count, addresses, std::ptr::null_mut())
@@ -1109,7 +1104,7 @@ export! {
         if unsafe { (*support).version } != sys::NVML_GPM_SUPPORT_VERSION {
             return Err(ARGUMENT_VERSION_MISMATCH);
         }
-        let supported = c.node.gpus[g as usize].model.architecture >= model::arch::HOPPER;
+        let supported = c.node.gpus[g as usize].model.architecture >= arch::HOPPER;
         out(support, sys::nvmlGpmSupport_t {
             version: sys::NVML_GPM_SUPPORT_VERSION,
             isSupportedDevice: c_uint::from(supported),
@@ -1146,7 +1141,7 @@ export! {
     fn nvmlGpmMigSampleGet(device: nvmlDevice_t, gi: c_uint, sample: sys::nvmlGpmSample_t) {
         let c = ctx()?;
         let gpu = gpu_of(&c, device)?;
-        if c.node.gpus[gpu as usize].model.architecture < model::arch::HOPPER {
+        if c.node.gpus[gpu as usize].model.architecture < arch::HOPPER {
             return Err(NOT_SUPPORTED);
         }
         let (state, now) = c.read()?;
@@ -1229,7 +1224,7 @@ fn memory_mib(device: nvmlDevice_t) -> R<(u64, u64)> {
 }
 
 /// Health counters of a (physical) GPU and its static facts.
-fn health(device: nvmlDevice_t) -> R<(model::SimHealth, model::SimGpu)> {
+fn health(device: nvmlDevice_t) -> R<(SimHealth, SimGpu)> {
     let c = ctx()?;
     let g = gpu_of(&c, device)?;
     let (state, now) = c.read()?;

@@ -26,7 +26,7 @@ use super::{
     HealthSnapshot, MigDevice, MigMode, MigModeChange, MigProfile, PcieLink, Placement, Result,
     Topology, Utilization,
 };
-use gpupool_crds::catalog;
+use gpupool_mig_catalog as catalog;
 use raw::{Raw, RawError};
 
 /// Library names tried in order when none is configured.

@@ -3,11 +3,9 @@
 //! Time comes from a [`Clock`]; tests use a [`ManualClock`] and move it, so scripted faults and
 //! utilization traces play out without sleeping. Faults can also be injected and cleared at
 //! runtime ([`SimBackend::inject`], [`SimBackend::reset_gpu`]).
-
-pub mod model;
-
-/// The MIG catalog, where `model.rs` expects it (`super::catalog`).
-pub use gpupool_crds::catalog;
+//!
+//! The fixture format and the state machine are the `gpupool-sim` crate's, shared with the fake
+//! `libnvidia-ml.so`; this module maps them onto [`GpuBackend`] as `NvmlBackend` maps NVML.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -20,9 +18,10 @@ use super::{
     GpuInstanceId, GpuInstanceProfile, HealthEvent, HealthEventKind, HealthEvents, HealthSnapshot,
     MigDevice, MigMode, MigModeChange, PcieLink, Placement, Result, Topology, Utilization,
 };
-use model::{EventKey, FaultFixture, Node, SimError, SimState};
+use gpupool_mig_catalog as catalog;
+use gpupool_sim::{EventKey, FaultFixture, Node, SimError, SimState, arch, event_type};
 
-pub use model::{FaultKind, Fixture};
+pub use gpupool_sim::{FaultKind, Fixture};
 
 /// Simulated time: seconds since the simulation started.
 pub trait Clock: Send + Sync {
@@ -274,8 +273,8 @@ impl SimEvents<'_> {
                 continue;
             }
             let kind = match e.event_type {
-                model::event_type::XID => HealthEventKind::Xid(e.data),
-                model::event_type::DOUBLE_BIT_ECC => HealthEventKind::DoubleBitEcc,
+                event_type::XID => HealthEventKind::Xid(e.data),
+                event_type::DOUBLE_BIT_ECC => HealthEventKind::DoubleBitEcc,
                 _ => HealthEventKind::SingleBitEcc,
             };
             let Some(gpu) = node.gpus.get(e.gpu as usize) else {
@@ -613,7 +612,7 @@ impl GpuBackend for SimBackend {
     fn mig_utilization(&self, gpu: u32, gi: GpuInstanceId) -> Result<Option<Utilization>> {
         let target = format!("GPU {gpu} GPU instance {gi}");
         self.read("reading GPU instance utilization", target, |s, n, now| {
-            if n.gpu(gpu)?.model.architecture < model::arch::HOPPER {
+            if n.gpu(gpu)?.model.architecture < arch::HOPPER {
                 return Err(SimError::NotSupported(
                     "GPM needs Hopper or newer".to_owned(),
                 ));

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail, ensure};
-use gpupool_device_plugin::backend::sim::model;
 use gpupool_device_plugin::backend::{GpuBackend, NvmlBackend, NvmlOptions};
+use gpupool_sim as model;
 
 /// Where the fake library finds its fixture (read by the library in every process).
 pub const FIXTURE_ENV: &str = "GPUPOOL_FAKE_NVML_FIXTURE";
@@ -185,7 +185,8 @@ fn mknod_script(root: &Path, gpus: u32) -> String {
     for gpu in 0..gpus {
         node(&format!("dev/nvidia{gpu}"), 195, gpu);
     }
-    // The capability nodes build_fake_driver_root listed in mig-minors (minors from 3 up).
+    // The capability nodes the driver root builder made: config and monitor (minors 1, 2) and
+    // those it listed in mig-minors (from 3 up).
     if let Ok(entries) = fs::read_dir(root.join("dev/nvidia-caps")) {
         let mut names: Vec<String> = entries
             .flatten()
@@ -222,11 +223,11 @@ pub fn prepare(
         .with_context(|| format!("copying {}", scenario.fixture))?;
     let node = FakeNode::open(dir)?;
     let root = node.root();
-    gpupool_device_plugin::cdi::build_fake_driver_root(&root, &node.driver_version, node.gpus)?;
+    gpupool_sim::driver_root::build(&root, &node.driver_version, node.gpus)?;
     let lib_dir = root.join(LIB_DIR);
     let versioned = lib_dir.join(format!("libnvidia-ml.so.{}", node.driver_version));
     fs::copy(fake_lib, &versioned).with_context(|| format!("copying {}", fake_lib.display()))?;
-    // build_fake_driver_root adds a library of another version (`.so.1.0.0`) to check that
+    // The driver root builder adds a library of another version (`.so.1.0.0`) to check that
     // it is left out; keep it, both generators should skip it.
     std::os::unix::fs::symlink(
         format!("libnvidia-ml.so.{}", node.driver_version),

@@ -1,8 +1,10 @@
 //! MIG profile catalog: the GPU-instance profiles NVIDIA documents per GPU model, and a
 //! layout planner that places a wanted multiset of profiles on one GPU.
 //!
-//! Pure data and functions, no dependencies: the operator (to resolve a pool's MIG layout
-//! for a node) and the node agent (to apply it) share this module.
+//! Pure data and functions, no dependencies: the API types (the profile names CEL accepts), the
+//! operator (to resolve a pool's MIG layout for a node), the node agent (to apply it) and the
+//! simulator (to behave like the hardware) share this crate, so it stays small enough for
+//! every one of them, the fake `libnvidia-ml.so` included, to depend on.
 //!
 //! Sources of the numbers (checked against each other; where they disagree the hardware
 //! capture wins and the row says so):
