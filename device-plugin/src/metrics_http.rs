@@ -263,12 +263,32 @@ mod tests {
             )),
             "{body}"
         );
-        assert!(answer("GET /healthz HTTP/1.1").await.starts_with("HTTP/1.1 200"));
-        assert!(answer("GET /readyz HTTP/1.1").await.starts_with("HTTP/1.1 503"));
+        assert!(
+            answer("GET /healthz HTTP/1.1")
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
+        assert!(
+            answer("GET /readyz HTTP/1.1")
+                .await
+                .starts_with("HTTP/1.1 503")
+        );
         m.ready.store(true, Ordering::Relaxed);
-        assert!(answer("GET /readyz HTTP/1.1").await.starts_with("HTTP/1.1 200"));
-        assert!(answer("GET /nope HTTP/1.1").await.starts_with("HTTP/1.1 404"));
-        assert!(answer("POST /metrics HTTP/1.1").await.starts_with("HTTP/1.1 405"));
+        assert!(
+            answer("GET /readyz HTTP/1.1")
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
+        assert!(
+            answer("GET /nope HTTP/1.1")
+                .await
+                .starts_with("HTTP/1.1 404")
+        );
+        assert!(
+            answer("POST /metrics HTTP/1.1")
+                .await
+                .starts_with("HTTP/1.1 405")
+        );
         cancel.cancel();
     }
 

@@ -320,7 +320,10 @@ mod tests {
         assert!(post.starts_with("HTTP/1.1 405"), "{post}");
         let head = request(addr, "HEAD /healthz HTTP/1.1").await.unwrap();
         assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-        assert!(head.ends_with("\r\n\r\n"), "a HEAD answer has no body: {head}");
+        assert!(
+            head.ends_with("\r\n\r\n"),
+            "a HEAD answer has no body: {head}"
+        );
 
         shutdown.cancel();
         server.await.unwrap().unwrap();
