@@ -1,17 +1,27 @@
-//! `/metrics` (Prometheus text), `/healthz` and `/readyz` on a small HTTP/1.1 listener.
+//! The agent's metrics and its `/metrics`, `/healthz` and `/readyz` endpoint, served by the
+//! server the operator uses too ([`gpupool_telemetry`]).
 //!
-//! Three fixed GET endpoints do not need a web framework: requests are read up to the end of
-//! their headers (capped), answered, and the connection closed.
+//! The agent loop computes its figures (per-GPU samples, Xid counts, write counts) once per
+//! reconcile and hands them over whole with [`AgentMetrics::set`]; a prometheus-client
+//! collector encodes that latest snapshot at scrape time, so a scrape never sees half of one
+//! reconcile and half of the next, and a value the agent does not have (a GPU without a
+//! utilization sample) is simply absent. The kubelet plugin's counters are ordinary
+//! prometheus-client counters ([`PluginMetrics::register`]).
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use gpupool_telemetry::HttpState;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet, EncodeMetric,
+};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
 use crate::plugin::PluginMetrics;
@@ -63,166 +73,145 @@ impl AgentMetrics {
         }
     }
 
-    /// Prometheus text exposition.
-    pub fn render(&self) -> String {
-        let f = self.figures.read().map(|f| f.clone()).unwrap_or_default();
-        let mut out = String::new();
-        let mut family = |name: &str, help: &str, kind: &str, rows: Vec<(String, String)>| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-            for (labels, value) in rows {
-                let _ = writeln!(out, "{name}{labels} {value}");
-            }
-        };
-        let per_gpu = |pick: &dyn Fn(&GpuFigures) -> Option<String>| -> Vec<(String, String)> {
-            f.gpus
-                .iter()
-                .filter_map(|(i, g)| pick(g).map(|v| (format!("{{gpu=\"{i}\"}}"), v)))
-                .collect()
-        };
-        family(
-            "gpupool_gpu_utilization_percent",
-            "SM utilization of a whole GPU.",
-            "gauge",
-            per_gpu(&|g| g.utilization_percent.map(|v| v.to_string())),
-        );
-        family(
-            "gpupool_gpu_memory_used_bytes",
-            "GPU memory used by compute processes.",
-            "gauge",
-            per_gpu(&|g| g.memory_used_mib.map(|v| (v * 1024 * 1024).to_string())),
-        );
-        family(
-            "gpupool_gpu_healthy",
-            "1 when the GPU has no health fault.",
-            "gauge",
-            per_gpu(&|g| Some(u8::from(g.healthy).to_string())),
-        );
-        family(
-            "gpupool_gpu_temperature_celsius",
-            "GPU temperature.",
-            "gauge",
-            per_gpu(&|g| g.temperature_c.map(|v| v.to_string())),
-        );
-        family(
-            "gpupool_gpu_xid_errors_total",
-            "Xid events seen since the agent started.",
-            "counter",
-            f.xids
-                .iter()
-                .map(|((g, x), n)| (format!("{{gpu=\"{g}\",xid=\"{x}\"}}"), n.to_string()))
-                .collect(),
-        );
-        family(
-            "gpupool_driver_validated",
-            "1 when every driver check passed.",
-            "gauge",
-            vec![(String::new(), u8::from(f.validated).to_string())],
-        );
-        family(
-            "gpupool_status_writes_total",
-            "GpuNode status writes.",
-            "counter",
-            vec![(String::new(), f.status_writes.to_string())],
-        );
-        family(
-            "gpupool_cdi_spec_writes_total",
-            "CDI spec file writes.",
-            "counter",
-            vec![(String::new(), f.cdi_writes.to_string())],
-        );
-        let p = self.plugin.snapshot();
-        for (name, v) in [
-            ("registrations", p.registrations),
-            ("registration_failures", p.registration_failures),
-            ("allocations", p.allocations),
-            ("allocation_errors", p.allocation_errors),
-            (
-                "health_unhealthy_transitions",
-                p.health_unhealthy_transitions,
-            ),
-            ("health_healthy_transitions", p.health_healthy_transitions),
-        ] {
-            family(
-                &format!("gpupool_plugin_{name}_total"),
-                "Kubelet device plugin counter.",
-                "counter",
-                vec![(String::new(), v.to_string())],
-            );
-        }
-        out
+    /// A registry holding every agent metric: the figures (read at each scrape) and the
+    /// plugin counters.
+    pub fn registry(self: &Arc<Self>) -> Registry {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(FiguresCollector(self.clone())));
+        self.plugin.register(&mut registry);
+        registry
+    }
+
+    /// What the endpoints serve: [`AgentMetrics::registry`], and `/readyz` following
+    /// [`AgentMetrics::ready`].
+    pub fn http_state(self: &Arc<Self>) -> HttpState {
+        let metrics = self.clone();
+        HttpState::new(self.registry()).ready_when(move || metrics.ready.load(Ordering::Relaxed))
     }
 }
 
-fn response(status: &str, content_type: &str, body: &str) -> String {
-    format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-}
-
-/// Answers one request line.
-pub fn answer(metrics: &AgentMetrics, request_line: &str) -> String {
-    let mut parts = request_line.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    if method != "GET" {
-        return response("405 Method Not Allowed", "text/plain", "GET only\n");
-    }
-    match path.split('?').next().unwrap_or("") {
-        "/metrics" => response("200 OK", "text/plain; version=0.0.4", &metrics.render()),
-        "/healthz" => response("200 OK", "text/plain", "ok\n"),
-        "/readyz" if metrics.ready.load(Ordering::Relaxed) => {
-            response("200 OK", "text/plain", "ready\n")
-        }
-        "/readyz" => response("503 Service Unavailable", "text/plain", "not ready\n"),
-        _ => response("404 Not Found", "text/plain", "not found\n"),
-    }
-}
-
-/// Binds `addr` and serves until `cancel`.
+/// Binds `addr` and serves `/metrics`, `/healthz` and `/readyz` until `cancel`.
 pub async fn serve(
     addr: SocketAddr,
     metrics: Arc<AgentMetrics>,
     cancel: CancellationToken,
-) -> std::io::Result<()> {
-    let listener = TcpListener::bind(addr).await?;
-    tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz");
-    loop {
-        let (mut stream, _) = tokio::select! {
-            () = cancel.cancelled() => return Ok(()),
-            accepted = listener.accept() => accepted?,
+) -> Result<(), gpupool_telemetry::Error> {
+    gpupool_telemetry::serve(addr, Arc::new(metrics.http_state()), cancel).await
+}
+
+/// The `gpu` label of per-GPU series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabels {
+    gpu: u32,
+}
+
+/// The labels of the Xid counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct XidLabels {
+    gpu: u32,
+    xid: u64,
+}
+
+/// Encodes the latest [`Figures`] on each scrape.
+#[derive(Debug)]
+struct FiguresCollector(Arc<AgentMetrics>);
+
+/// One gauge family with a sample per GPU that has a value.
+fn per_gpu<V: EncodeGaugeValue>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: impl Iterator<Item = (u32, Option<V>)>,
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (gpu, value) in samples {
+        if let Some(value) = value {
+            ConstGauge::new(value).encode(family.encode_family(&GpuLabels { gpu })?)?;
+        }
+    }
+    Ok(())
+}
+
+// Names and help texts are the ones the agent has always exposed. Counters are described
+// without their `_total`: prometheus-client's encoder appends it to every counter sample, so
+// `gpupool_status_writes` is scraped as `gpupool_status_writes_total`, as before. Help texts
+// are passed whole because a collector's help is written as given (unlike
+// `Registry::register`, which appends a period).
+impl Collector for FiguresCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        // A poisoned lock means a writer panicked between two whole assignments; the value
+        // left behind is still one complete snapshot.
+        let f = match self.0.figures.read() {
+            Ok(f) => f,
+            Err(poisoned) => poisoned.into_inner(),
         };
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let mut buf = Vec::with_capacity(1024);
-            let mut chunk = [0u8; 1024];
-            let read = tokio::time::timeout(Duration::from_secs(5), async {
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
-                    match stream.read(&mut chunk).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
-            })
-            .await;
-            if read.is_err() {
-                return;
-            }
-            let text = String::from_utf8_lossy(&buf);
-            let line = text.lines().next().unwrap_or_default();
-            let reply = answer(&metrics, line);
-            let _ = stream.write_all(reply.as_bytes()).await;
-            let _ = stream.shutdown().await;
-        });
+        per_gpu(
+            &mut encoder,
+            "gpupool_gpu_utilization_percent",
+            "SM utilization of a whole GPU.",
+            f.gpus.iter().map(|(i, g)| (*i, g.utilization_percent)),
+        )?;
+        per_gpu(
+            &mut encoder,
+            "gpupool_gpu_memory_used_bytes",
+            "GPU memory used by compute processes.",
+            f.gpus
+                .iter()
+                .map(|(i, g)| (*i, g.memory_used_mib.map(|v| v.saturating_mul(1024 * 1024)))),
+        )?;
+        per_gpu(
+            &mut encoder,
+            "gpupool_gpu_healthy",
+            "1 when the GPU has no health fault.",
+            f.gpus.iter().map(|(i, g)| (*i, Some(u32::from(g.healthy)))),
+        )?;
+        per_gpu(
+            &mut encoder,
+            "gpupool_gpu_temperature_celsius",
+            "GPU temperature.",
+            f.gpus.iter().map(|(i, g)| (*i, g.temperature_c)),
+        )?;
+
+        let mut xids = encoder.encode_descriptor(
+            "gpupool_gpu_xid_errors",
+            "Xid events seen since the agent started.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (&(gpu, xid), &n) in &f.xids {
+            ConstCounter::new(n).encode(xids.encode_family(&XidLabels { gpu, xid })?)?;
+        }
+
+        ConstGauge::new(u32::from(f.validated)).encode(encoder.encode_descriptor(
+            "gpupool_driver_validated",
+            "1 when every driver check passed.",
+            None,
+            MetricType::Gauge,
+        )?)?;
+        ConstCounter::new(f.status_writes).encode(encoder.encode_descriptor(
+            "gpupool_status_writes",
+            "GpuNode status writes.",
+            None,
+            MetricType::Counter,
+        )?)?;
+        ConstCounter::new(f.cdi_writes).encode(encoder.encode_descriptor(
+            "gpupool_cdi_spec_writes",
+            "CDI spec file writes.",
+            None,
+            MetricType::Counter,
+        )?)?;
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use gpupool_telemetry::testing::request;
+    use tokio::net::TcpListener;
+
     use super::*;
 
-    #[test]
-    fn endpoints() {
-        let m = AgentMetrics::default();
+    fn sample() -> Figures {
         let mut f = Figures::default();
         f.gpus.insert(
             0,
@@ -234,8 +223,29 @@ mod tests {
             },
         );
         f.xids.insert((0, 79), 2);
-        m.set(f);
-        let body = answer(&m, "GET /metrics HTTP/1.1");
+        f
+    }
+
+    /// Serves `metrics` on a free loopback port until the returned token is cancelled.
+    async fn start(metrics: &Arc<AgentMetrics>) -> (SocketAddr, CancellationToken) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cancel = CancellationToken::new();
+        tokio::spawn(gpupool_telemetry::serve_on(
+            listener,
+            Arc::new(metrics.http_state()),
+            cancel.clone(),
+        ));
+        (addr, cancel)
+    }
+
+    #[tokio::test]
+    async fn endpoints() {
+        let m = Arc::new(AgentMetrics::default());
+        m.set(sample());
+        let (addr, cancel) = start(&m).await;
+        let answer = |line: &'static str| async move { request(addr, line).await.unwrap() };
+        let body = answer("GET /metrics HTTP/1.1").await;
         assert!(body.starts_with("HTTP/1.1 200"));
         for line in [
             "gpupool_gpu_utilization_percent{gpu=\"0\"} 42",
@@ -246,11 +256,149 @@ mod tests {
         ] {
             assert!(body.contains(line), "{line} missing in {body}");
         }
-        assert!(answer(&m, "GET /healthz HTTP/1.1").starts_with("HTTP/1.1 200"));
-        assert!(answer(&m, "GET /readyz HTTP/1.1").starts_with("HTTP/1.1 503"));
+        assert!(
+            body.to_ascii_lowercase().contains(&format!(
+                "content-type: {}",
+                gpupool_telemetry::METRICS_CONTENT_TYPE
+            )),
+            "{body}"
+        );
+        assert!(
+            answer("GET /healthz HTTP/1.1")
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
+        assert!(
+            answer("GET /readyz HTTP/1.1")
+                .await
+                .starts_with("HTTP/1.1 503")
+        );
         m.ready.store(true, Ordering::Relaxed);
-        assert!(answer(&m, "GET /readyz HTTP/1.1").starts_with("HTTP/1.1 200"));
-        assert!(answer(&m, "GET /nope HTTP/1.1").starts_with("HTTP/1.1 404"));
-        assert!(answer(&m, "POST /metrics HTTP/1.1").starts_with("HTTP/1.1 405"));
+        assert!(
+            answer("GET /readyz HTTP/1.1")
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
+        assert!(
+            answer("GET /nope HTTP/1.1")
+                .await
+                .starts_with("HTTP/1.1 404")
+        );
+        assert!(
+            answer("POST /metrics HTTP/1.1")
+                .await
+                .starts_with("HTTP/1.1 405")
+        );
+        cancel.cancel();
+    }
+
+    /// Every agent metric, byte for byte: the sample names and labels are the ones the agent
+    /// exposed before it used prometheus-client.
+    #[test]
+    fn renders_every_metric() {
+        let m = Arc::new(AgentMetrics::default());
+        let mut f = sample();
+        f.gpus.insert(
+            1,
+            GpuFigures {
+                utilization_percent: Some(0),
+                memory_used_mib: Some(40_960),
+                healthy: false,
+                temperature_c: Some(71),
+            },
+        );
+        f.xids.insert((1, 48), 1);
+        f.validated = true;
+        f.status_writes = 3;
+        f.cdi_writes = 1;
+        m.set(f);
+        PluginMetrics::inc(&m.plugin.registrations);
+        PluginMetrics::inc(&m.plugin.allocations);
+        PluginMetrics::inc(&m.plugin.allocations);
+        PluginMetrics::inc(&m.plugin.allocation_errors);
+        PluginMetrics::inc(&m.plugin.health_unhealthy_transitions);
+        // Not exposed: only the six counters above ever were.
+        PluginMetrics::inc(&m.plugin.server_starts);
+
+        let text = gpupool_telemetry::encode(&m.registry()).unwrap();
+        let expected = "\
+# HELP gpupool_plugin_registrations Kubelet device plugin counter.
+# TYPE gpupool_plugin_registrations counter
+gpupool_plugin_registrations_total 1
+# HELP gpupool_plugin_registration_failures Kubelet device plugin counter.
+# TYPE gpupool_plugin_registration_failures counter
+gpupool_plugin_registration_failures_total 0
+# HELP gpupool_plugin_allocations Kubelet device plugin counter.
+# TYPE gpupool_plugin_allocations counter
+gpupool_plugin_allocations_total 2
+# HELP gpupool_plugin_allocation_errors Kubelet device plugin counter.
+# TYPE gpupool_plugin_allocation_errors counter
+gpupool_plugin_allocation_errors_total 1
+# HELP gpupool_plugin_health_unhealthy_transitions Kubelet device plugin counter.
+# TYPE gpupool_plugin_health_unhealthy_transitions counter
+gpupool_plugin_health_unhealthy_transitions_total 1
+# HELP gpupool_plugin_health_healthy_transitions Kubelet device plugin counter.
+# TYPE gpupool_plugin_health_healthy_transitions counter
+gpupool_plugin_health_healthy_transitions_total 0
+# HELP gpupool_gpu_utilization_percent SM utilization of a whole GPU.
+# TYPE gpupool_gpu_utilization_percent gauge
+gpupool_gpu_utilization_percent{gpu=\"0\"} 42
+gpupool_gpu_utilization_percent{gpu=\"1\"} 0
+# HELP gpupool_gpu_memory_used_bytes GPU memory used by compute processes.
+# TYPE gpupool_gpu_memory_used_bytes gauge
+gpupool_gpu_memory_used_bytes{gpu=\"0\"} 1048576
+gpupool_gpu_memory_used_bytes{gpu=\"1\"} 42949672960
+# HELP gpupool_gpu_healthy 1 when the GPU has no health fault.
+# TYPE gpupool_gpu_healthy gauge
+gpupool_gpu_healthy{gpu=\"0\"} 1
+gpupool_gpu_healthy{gpu=\"1\"} 0
+# HELP gpupool_gpu_temperature_celsius GPU temperature.
+# TYPE gpupool_gpu_temperature_celsius gauge
+gpupool_gpu_temperature_celsius{gpu=\"0\"} 38
+gpupool_gpu_temperature_celsius{gpu=\"1\"} 71
+# HELP gpupool_gpu_xid_errors Xid events seen since the agent started.
+# TYPE gpupool_gpu_xid_errors counter
+gpupool_gpu_xid_errors_total{gpu=\"0\",xid=\"79\"} 2
+gpupool_gpu_xid_errors_total{gpu=\"1\",xid=\"48\"} 1
+# HELP gpupool_driver_validated 1 when every driver check passed.
+# TYPE gpupool_driver_validated gauge
+gpupool_driver_validated 1
+# HELP gpupool_status_writes GpuNode status writes.
+# TYPE gpupool_status_writes counter
+gpupool_status_writes_total 3
+# HELP gpupool_cdi_spec_writes CDI spec file writes.
+# TYPE gpupool_cdi_spec_writes counter
+gpupool_cdi_spec_writes_total 1
+# EOF
+";
+        assert_eq!(text, expected);
+    }
+
+    /// A value the agent does not have is absent, not zero; `gpupool_gpu_healthy` is always
+    /// there for a known GPU.
+    #[test]
+    fn absent_values_are_absent() {
+        let m = Arc::new(AgentMetrics::default());
+        let mut f = Figures::default();
+        f.gpus.insert(
+            3,
+            GpuFigures {
+                healthy: true,
+                ..GpuFigures::default()
+            },
+        );
+        m.set(f);
+        let text = gpupool_telemetry::encode(&m.registry()).unwrap();
+        let samples: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("gpupool_gpu_"))
+            .collect();
+        assert_eq!(samples, ["gpupool_gpu_healthy{gpu=\"3\"} 1"]);
+
+        // The figures are replaced whole: a GPU gone from the inventory leaves no series.
+        m.set(Figures::default());
+        let text = gpupool_telemetry::encode(&m.registry()).unwrap();
+        assert!(!text.contains("gpu=\""), "{text}");
+        assert!(text.contains("gpupool_driver_validated 0\n"), "{text}");
     }
 }

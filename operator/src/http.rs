@@ -1,109 +1,70 @@
-//! `/metrics`, `/healthz` and `/readyz`.
+//! `/metrics`, `/healthz` and `/readyz`: the operator serves its registry through the server
+//! it shares with the node agent.
 
-use std::convert::Infallible;
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use http_body_util::Full;
-use hyper::body::{Bytes, Incoming};
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
-use prometheus_client::registry::Registry;
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
-use tracing::{debug, info};
-
-/// What the endpoints report.
-pub struct HttpState {
-    /// The metrics registry.
-    pub registry: Registry,
-    /// Set once the operator can do its work (CRDs established); a standby replica is ready.
-    pub ready: AtomicBool,
-}
-
-impl HttpState {
-    /// A state with nothing ready yet.
-    pub fn new(registry: Registry) -> Self {
-        Self {
-            registry,
-            ready: AtomicBool::new(false),
-        }
-    }
-}
-
-fn respond(state: &HttpState, path: &str) -> Response<Full<Bytes>> {
-    let (code, body, content_type) = match path {
-        "/metrics" => (
-            StatusCode::OK,
-            crate::metrics::encode(&state.registry),
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        ),
-        "/healthz" => (StatusCode::OK, "ok".to_owned(), "text/plain"),
-        "/readyz" if state.ready.load(Ordering::Relaxed) => {
-            (StatusCode::OK, "ok".to_owned(), "text/plain")
-        }
-        "/readyz" => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not ready".to_owned(),
-            "text/plain",
-        ),
-        _ => (StatusCode::NOT_FOUND, "not found".to_owned(), "text/plain"),
-    };
-    let mut resp = Response::new(Full::new(Bytes::from(body)));
-    *resp.status_mut() = code;
-    if let Ok(v) = hyper::header::HeaderValue::from_str(content_type) {
-        resp.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-    }
-    resp
-}
-
-/// Serves until `shutdown` is cancelled.
-pub async fn serve(
-    addr: SocketAddr,
-    state: Arc<HttpState>,
-    shutdown: CancellationToken,
-) -> std::io::Result<()> {
-    let listener = TcpListener::bind(addr).await?;
-    info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz");
-    loop {
-        let (stream, _) = tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
-            accepted = listener.accept() => accepted?,
-        };
-        let state = state.clone();
-        tokio::spawn(async move {
-            let svc = service_fn(move |req: Request<Incoming>| {
-                let resp = respond(&state, req.uri().path());
-                async move { Ok::<_, Infallible>(resp) }
-            });
-            if let Err(e) = http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc)
-                .await
-            {
-                debug!(error = %e, "HTTP connection ended with an error");
-            }
-        });
-    }
-}
+pub use gpupool_telemetry::{Error, HttpState, serve};
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use prometheus_client::registry::Registry;
+    use tokio::net::TcpListener;
+    use tokio_util::sync::CancellationToken;
+
+    use crate::metrics::{ErrorLabels, Metrics, ReconcileLabels};
+
     use super::*;
 
-    #[test]
-    fn endpoints() {
-        let state = HttpState::new(Registry::default());
-        assert_eq!(respond(&state, "/healthz").status(), StatusCode::OK);
-        assert_eq!(
-            respond(&state, "/readyz").status(),
-            StatusCode::SERVICE_UNAVAILABLE
-        );
-        state.ready.store(true, Ordering::Relaxed);
-        assert_eq!(respond(&state, "/readyz").status(), StatusCode::OK);
-        assert_eq!(respond(&state, "/metrics").status(), StatusCode::OK);
-        assert_eq!(respond(&state, "/nope").status(), StatusCode::NOT_FOUND);
+    /// The series names dashboards and the e2e suite read (`gpupool_reclaims_total`,
+    /// `gpupool_api_writes_total`, …) come out of the shared server unchanged.
+    #[tokio::test]
+    async fn operator_metrics_keep_their_names() {
+        let metrics = Metrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        metrics
+            .reconciles
+            .get_or_create(&ReconcileLabels { controller: "pool" })
+            .inc();
+        metrics
+            .errors
+            .get_or_create(&ErrorLabels {
+                controller: "pool",
+                error: "api",
+            })
+            .inc();
+        metrics.duration.observe(0.02);
+        metrics.reclaim("training", "Suspend", "Succeeded");
+        metrics.write("GpuNode", "apply");
+        metrics.queue_depth.set(2);
+        metrics.leader.set(1);
+
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(gpupool_telemetry::serve_on(
+            listener,
+            Arc::new(HttpState::new(registry)),
+            shutdown.clone(),
+        ));
+        let text = gpupool_telemetry::testing::request(addr, "GET /metrics HTTP/1.1")
+            .await
+            .unwrap();
+        shutdown.cancel();
+        server.await.unwrap().unwrap();
+
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+        for line in [
+            "gpupool_reconciles_total{controller=\"pool\"} 1",
+            "gpupool_reconcile_errors_total{controller=\"pool\",error=\"api\"} 1",
+            "gpupool_reconcile_duration_seconds_count 1",
+            "gpupool_reconcile_duration_seconds_bucket{le=\"0.05\"} 1",
+            "gpupool_reclaims_total{pool=\"training\",action=\"Suspend\",result=\"Succeeded\"} 1",
+            "gpupool_api_writes_total{kind=\"GpuNode\",verb=\"apply\"} 1",
+            "gpupool_queue_depth 2",
+            "gpupool_leader 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
     }
 }

@@ -136,12 +136,3 @@ impl Metrics {
             .inc();
     }
 }
-
-/// The text exposition of a registry.
-pub fn encode(registry: &Registry) -> String {
-    let mut out = String::new();
-    if prometheus_client::encoding::text::encode(&mut out, registry).is_err() {
-        out.clear();
-    }
-    out
-}

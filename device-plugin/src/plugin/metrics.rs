@@ -1,33 +1,34 @@
-//! Counters for the plugin. Plain atomics; the agent's `/metrics` endpoint can
-//! expose a [`MetricsSnapshot`] in Prometheus format.
+//! Counters for the plugin: prometheus-client [`Counter`]s, shared by the plugin's tasks and
+//! registered in the agent's registry by [`PluginMetrics::register`].
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
 
 /// Monotonic counters, shared by the plugin's tasks.
 #[derive(Debug, Default)]
 pub struct PluginMetrics {
     /// Successful `Register` calls to the kubelet.
-    pub registrations: AtomicU64,
+    pub registrations: Counter,
     /// Failed `Register` attempts (kubelet socket missing, refused, timed out).
-    pub registration_failures: AtomicU64,
+    pub registration_failures: Counter,
     /// Kubelet restarts noticed (its socket was recreated).
-    pub kubelet_restarts: AtomicU64,
+    pub kubelet_restarts: Counter,
     /// Plugin servers (re)started.
-    pub server_starts: AtomicU64,
+    pub server_starts: Counter,
     /// Device lists sent on `ListAndWatch` streams.
-    pub list_and_watch_sends: AtomicU64,
+    pub list_and_watch_sends: Counter,
     /// Successful `Allocate` calls.
-    pub allocations: AtomicU64,
+    pub allocations: Counter,
     /// `Allocate` calls rejected (unknown or unhealthy devices).
-    pub allocation_errors: AtomicU64,
+    pub allocation_errors: Counter,
     /// `GetPreferredAllocation` calls answered.
-    pub preferred_allocations: AtomicU64,
+    pub preferred_allocations: Counter,
     /// Health transitions Healthy → Unhealthy (per GPU or MIG device target).
-    pub health_unhealthy_transitions: AtomicU64,
+    pub health_unhealthy_transitions: Counter,
     /// Health transitions back to Healthy after the hold-down.
-    pub health_healthy_transitions: AtomicU64,
+    pub health_healthy_transitions: Counter,
     /// Xid events ignored as application errors.
-    pub ignored_xids: AtomicU64,
+    pub ignored_xids: Counter,
 }
 
 /// A point-in-time copy of [`PluginMetrics`].
@@ -49,25 +50,52 @@ pub struct MetricsSnapshot {
 
 impl PluginMetrics {
     /// Adds one to `counter`.
-    pub fn inc(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
+    pub fn inc(counter: &Counter) {
+        counter.inc();
     }
 
     /// Reads every counter.
     pub fn snapshot(&self) -> MetricsSnapshot {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         MetricsSnapshot {
-            registrations: get(&self.registrations),
-            registration_failures: get(&self.registration_failures),
-            kubelet_restarts: get(&self.kubelet_restarts),
-            server_starts: get(&self.server_starts),
-            list_and_watch_sends: get(&self.list_and_watch_sends),
-            allocations: get(&self.allocations),
-            allocation_errors: get(&self.allocation_errors),
-            preferred_allocations: get(&self.preferred_allocations),
-            health_unhealthy_transitions: get(&self.health_unhealthy_transitions),
-            health_healthy_transitions: get(&self.health_healthy_transitions),
-            ignored_xids: get(&self.ignored_xids),
+            registrations: self.registrations.get(),
+            registration_failures: self.registration_failures.get(),
+            kubelet_restarts: self.kubelet_restarts.get(),
+            server_starts: self.server_starts.get(),
+            list_and_watch_sends: self.list_and_watch_sends.get(),
+            allocations: self.allocations.get(),
+            allocation_errors: self.allocation_errors.get(),
+            preferred_allocations: self.preferred_allocations.get(),
+            health_unhealthy_transitions: self.health_unhealthy_transitions.get(),
+            health_healthy_transitions: self.health_healthy_transitions.get(),
+            ignored_xids: self.ignored_xids.get(),
+        }
+    }
+
+    /// Registers the counters `/metrics` has always shown, as
+    /// `gpupool_plugin_<name>_total` (prometheus-client adds the `_total` of a counter).
+    /// The others stay internal: tests and benchmarks read them through
+    /// [`PluginMetrics::snapshot`].
+    pub fn register(&self, registry: &mut Registry) {
+        for (name, counter) in [
+            ("registrations", &self.registrations),
+            ("registration_failures", &self.registration_failures),
+            ("allocations", &self.allocations),
+            ("allocation_errors", &self.allocation_errors),
+            (
+                "health_unhealthy_transitions",
+                &self.health_unhealthy_transitions,
+            ),
+            (
+                "health_healthy_transitions",
+                &self.health_healthy_transitions,
+            ),
+        ] {
+            // A clone shares the counter's value: the registry reads what the tasks count.
+            registry.register(
+                format!("gpupool_plugin_{name}"),
+                "Kubelet device plugin counter",
+                counter.clone(),
+            );
         }
     }
 }
