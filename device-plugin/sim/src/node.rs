@@ -1,13 +1,11 @@
 //! The node: a fixture resolved into GPUs, with UUIDs, bus IDs and topology.
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::path::Path;
 
 use crate::error::{SimError, SimResult};
 use crate::fixture::Fixture;
 use crate::models::{MODEL_INFOS, ModelInfo, model_info};
-use crate::state::{GpuState, SimState};
 
 /// One simulated GPU.
 #[derive(Debug, Clone, PartialEq)]
@@ -197,25 +195,6 @@ impl Node {
             .iter()
             .find(|g| g.uuid == uuid)
             .ok_or_else(|| SimError::NotFound(format!("no GPU with UUID {uuid}")))
-    }
-
-    /// The state at boot: MIG modes as the fixture says, no instances, no injected faults.
-    pub fn boot_state(&self) -> SimState {
-        SimState {
-            clock_s: None,
-            gpus: self
-                .gpus
-                .iter()
-                .map(|g| GpuState {
-                    mig_current: g.mig_enabled_at_boot,
-                    mig_pending: g.mig_enabled_at_boot,
-                    gpu_instances: Vec::new(),
-                })
-                .collect(),
-            injected: Vec::new(),
-            next_seq: 0,
-            clears: BTreeMap::new(),
-        }
     }
 
     /// Whether two GPUs share an NVLink group.

@@ -185,6 +185,26 @@ pub struct SimProcess {
 }
 
 impl SimState {
+    /// The state of `node` at boot: MIG modes as the fixture says, no instances, no injected
+    /// faults.
+    pub fn boot(node: &Node) -> SimState {
+        SimState {
+            clock_s: None,
+            gpus: node
+                .gpus
+                .iter()
+                .map(|g| GpuState {
+                    mig_current: g.mig_enabled_at_boot,
+                    mig_pending: g.mig_enabled_at_boot,
+                    gpu_instances: Vec::new(),
+                })
+                .collect(),
+            injected: Vec::new(),
+            next_seq: 0,
+            clears: BTreeMap::new(),
+        }
+    }
+
     fn gpu_mut(&mut self, index: u32) -> SimResult<&mut GpuState> {
         self.gpus
             .get_mut(index as usize)

@@ -69,7 +69,7 @@ impl StateFile {
                 }
                 Ok(state)
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(node.boot_state()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(SimState::boot(node)),
             Err(e) => Err(SimError::Fixture(format!(
                 "reading state {}: {e}",
                 self.path.display()

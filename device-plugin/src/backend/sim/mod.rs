@@ -184,7 +184,7 @@ impl SimBackend {
     }
 
     fn from_node(node: Node, clock: Arc<dyn Clock>) -> SimBackend {
-        let state = node.boot_state();
+        let state = SimState::boot(&node);
         SimBackend {
             shared: Arc::new(Shared {
                 node,
