@@ -5,6 +5,7 @@
 //! never edit it by hand.
 
 pub mod catalog;
+pub mod conditions;
 pub mod crdgen;
 pub mod labels;
 pub mod node;
