@@ -993,7 +993,7 @@ impl LoopState {
             cuda_version,
             gpu_count: gpus.len() as u32,
             healthy_gpus: healthy,
-            validated: Some(report::validated(&self.checks)),
+            validated: Some(gpupool_crds::node::Verdict::of_checks(&self.checks)),
             checks: self.checks.clone(),
             gpus,
             mig: self.mig.status(),

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use gpupool_crds::labels;
 use gpupool_crds::node::{
-    CheckResult, GpuStatus, Health as StatusHealth, Idleness, MigDeviceStatus, PodRef,
+    CheckResult, GpuStatus, Health as StatusHealth, Idleness, MigDeviceStatus, PodRef, Verdict,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
@@ -166,13 +166,7 @@ pub fn node_labels(inventory: &Inventory) -> BTreeMap<String, String> {
 
 /// `True` / `False` from check results (`Unknown` when there are none).
 pub fn validated(checks: &[CheckResult]) -> String {
-    if checks.is_empty() {
-        "Unknown".to_owned()
-    } else if checks.iter().all(|c| c.passed) {
-        "True".to_owned()
-    } else {
-        "False".to_owned()
-    }
+    Verdict::of_checks(checks).to_string()
 }
 
 /// Sets a condition in `conditions`, keeping its `lastTransitionTime` unless the status

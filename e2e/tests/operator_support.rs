@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use gpupool_crds::node::{CdiStatus, GpuNodeStatus, MigState, NodeMigStatus};
+use gpupool_crds::node::{CdiStatus, GpuNodeStatus, MigState, NodeMigStatus, Verdict};
 use gpupool_crds::{GpuNode, GpuPool};
 use gpupool_e2e::{Cluster, TestScope, repo_root, wait};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -296,7 +296,7 @@ pub async fn report_status(
         cuda_version: Some("12.4".into()),
         gpu_count: 8,
         healthy_gpus: 8,
-        validated: Some("True".into()),
+        validated: Some(Verdict::True),
         cdi: Some(CdiStatus {
             path: "/var/run/cdi/gpupool-nvidia.yaml".into(),
             digest: "sha256:e2e".into(),

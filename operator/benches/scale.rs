@@ -20,7 +20,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt, stream};
-use gpupool_crds::node::{CdiStatus, GpuNodeStatus, MigState, NodeMigStatus};
+use gpupool_crds::node::{CdiStatus, GpuNodeStatus, MigState, NodeMigStatus, Verdict};
 use gpupool_crds::{GpuNode, GpuPool};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -100,7 +100,7 @@ fn status_for(gn: &GpuNode) -> serde_json::Value {
         cuda_version: Some("12.4".into()),
         gpu_count: 8,
         healthy_gpus: 8,
-        validated: Some("True".into()),
+        validated: Some(Verdict::True),
         cdi: Some(CdiStatus {
             path: "/var/run/cdi/gpupool-nvidia.yaml".into(),
             digest: "sha256:bench".into(),

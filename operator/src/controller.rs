@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use futures::{StreamExt, future, stream};
 use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
+use gpupool_crds::node::Verdict;
 use gpupool_crds::policy::{OnFailure, ReclaimMode};
 use gpupool_crds::{GpuNode, GpuPool, GpuPoolStatus};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Taint};
@@ -314,8 +315,8 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
             && gpunodes
                 .get(&node_name)
                 .and_then(|g| g.status.as_ref())
-                .and_then(|s| s.validated.as_deref())
-                == Some("False");
+                .and_then(|s| s.validated)
+                == Some(Verdict::False);
         // Only the operator sets this taint, so a node that leaves the pool loses it.
         node_writes.push((node.clone(), is_member.then(|| name.clone()), want_taint));
     }

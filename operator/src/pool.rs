@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpupool_crds::node::{GpuNode, GpuNodeSpec, Health, MigState, UtilizationSpec};
+use gpupool_crds::node::{GpuNode, GpuNodeSpec, Health, MigState, UtilizationSpec, Verdict};
 use gpupool_crds::pool::{
     DriverVersionCount, GpuCounts, GpuPool, GpuPoolStatus, MigProgress, NodeProblem, ReclaimStatus,
 };
@@ -210,9 +210,9 @@ fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -
     v.reported = true;
     let generation = gn.metadata.generation;
     let current = |observed: Option<i64>| generation.is_none() || observed == generation;
-    match status.validated.as_deref() {
-        Some("True") => v.validated = true,
-        Some("False") => {
+    match status.validated {
+        Some(Verdict::True) => v.validated = true,
+        Some(Verdict::False) => {
             v.driver_failed = true;
             let failed: Vec<_> = status.checks.iter().filter(|c| !c.passed).collect();
             if failed.is_empty() {
@@ -691,7 +691,9 @@ pub fn condition_status<'a>(status: &'a GpuPoolStatus, type_: &str) -> Option<&'
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use gpupool_crds::node::{CdiStatus, CheckResult, GpuNodeStatus, GpuStatus, NodeMigStatus};
+    use gpupool_crds::node::{
+        CdiStatus, CheckName, CheckResult, GpuNodeStatus, GpuStatus, NodeMigStatus,
+    };
     use gpupool_crds::policy::{MigLayout, MigPolicy, MigStrategy};
     use gpupool_crds::pool::GpuPoolSpec;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
@@ -745,7 +747,7 @@ pub(crate) mod tests {
             cuda_version: Some("12.4".into()),
             gpu_count: 8,
             healthy_gpus: 8,
-            validated: Some("True".into()),
+            validated: Some(Verdict::True),
             cdi: Some(CdiStatus {
                 path: "/var/run/cdi/gpupool-nvidia.yaml".into(),
                 digest: "sha256:00".into(),
@@ -885,10 +887,10 @@ pub(crate) mod tests {
         let good = ready_gpunode(&p, "n1");
         let mut bad_driver = ready_gpunode(&p, "n2");
         if let Some(s) = bad_driver.status.as_mut() {
-            s.validated = Some("False".into());
+            s.validated = Some(Verdict::False);
             s.driver_version = Some("535.104.05".into());
             s.checks = vec![CheckResult {
-                name: "CUDAVersion".into(),
+                name: CheckName::CudaVersion,
                 passed: false,
                 message: "driver 535.104.05 supports CUDA 12.2; pool requires 12.4: upgrade the driver to ≥ 550".into(),
             }];
