@@ -4,11 +4,12 @@
 
 use std::collections::BTreeMap;
 
+use gpupool_crds::conditions::Observed;
 use gpupool_crds::labels;
 use gpupool_crds::node::{
     CheckResult, GpuStatus, Health as StatusHealth, Idleness, MigDeviceStatus, PodRef, Verdict,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 
 use crate::inventory::Inventory;
@@ -169,8 +170,8 @@ pub fn validated(checks: &[CheckResult]) -> String {
     Verdict::of_checks(checks).to_string()
 }
 
-/// Sets a condition in `conditions`, keeping its `lastTransitionTime` unless the status
-/// changes. `now` is truncated to seconds, as the API stores it.
+/// Sets a condition in `conditions` with [`gpupool_crds::conditions::set_condition`]
+/// (`lastTransitionTime` kept unless the status changes, whole seconds), sorted by type.
 pub fn set_condition(
     conditions: &mut Vec<Condition>,
     type_: &str,
@@ -180,33 +181,24 @@ pub fn set_condition(
     generation: Option<i64>,
     now: Timestamp,
 ) {
-    let status = if status { "True" } else { "False" }.to_owned();
-    let now = Timestamp::from_second(now.as_second()).unwrap_or(now);
-    match conditions.iter_mut().find(|c| c.type_ == type_) {
-        Some(c) => {
-            if c.status != status {
-                c.last_transition_time = Time(now);
-            }
-            c.status = status;
-            c.reason = reason.to_owned();
-            c.message = message.to_owned();
-            c.observed_generation = generation;
-        }
-        None => conditions.push(Condition {
-            type_: type_.to_owned(),
+    gpupool_crds::conditions::set_condition(
+        conditions,
+        Observed {
+            type_,
             status,
-            reason: reason.to_owned(),
+            reason,
             message: message.to_owned(),
             observed_generation: generation,
-            last_transition_time: Time(now),
-        }),
-    }
+        },
+        now,
+    );
     conditions.sort_by(|a, b| a.type_.cmp(&b.type_));
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     #[test]
     fn label_values_are_valid() {

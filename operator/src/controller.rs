@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{StreamExt, future, stream};
+use gpupool_crds::conditions::{Observed, condition};
 use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
 use gpupool_crds::node::Verdict;
 use gpupool_crds::policy::{OnFailure, ReclaimMode};
@@ -131,18 +132,23 @@ async fn report_unapplied_failure(pool: &GpuPool, error: &Error, ctx: &Context) 
 /// A pool whose object cannot be read: say so in its status and wait for an edit.
 async fn report_invalid(name: &str, message: &str, ctx: &Context) -> Result<Action> {
     let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &pool_api_resource());
+    // The object cannot be read, so neither can its previous conditions: the transition time
+    // is now.
+    let ready = condition(
+        &[],
+        Observed {
+            type_: "Ready",
+            status: false,
+            reason: "InvalidSpec",
+            message: format!("the GpuPool cannot be read: {message}"),
+            observed_generation: None,
+        },
+        Timestamp::now(),
+    );
     let patch = json!({
         "apiVersion": "gpupool.io/v1alpha1",
         "kind": "GpuPool",
-        "status": {
-            "conditions": [{
-                "type": "Ready",
-                "status": "False",
-                "reason": "InvalidSpec",
-                "message": format!("the GpuPool cannot be read: {message}"),
-                "lastTransitionTime": Timestamp::now().to_string(),
-            }]
-        }
+        "status": { "conditions": [ready] }
     });
     api.patch_status(
         name,
