@@ -11,6 +11,8 @@ pub mod labels;
 pub mod node;
 pub mod policy;
 pub mod pool;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use node::{GpuNode, GpuNodeSpec, GpuNodeStatus};
 pub use pool::{GpuPool, GpuPoolSpec, GpuPoolStatus};

@@ -656,11 +656,10 @@ pub fn condition_status<'a>(status: &'a GpuPoolStatus, type_: &str) -> Option<&'
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use gpupool_crds::node::{
-        CdiStatus, CheckName, CheckResult, GpuNodeStatus, GpuStatus, NodeMigStatus,
-    };
+    use gpupool_crds::node::{CheckName, CheckResult, GpuStatus};
     use gpupool_crds::policy::{MigLayout, MigPolicy, MigStrategy};
     use gpupool_crds::pool::GpuPoolSpec;
+    use gpupool_crds::testing::healthy_status;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, Time};
 
     pub(crate) fn ts(s: &str) -> Timestamp {
@@ -706,29 +705,7 @@ pub(crate) mod tests {
             ]),
         );
         gn.metadata.generation = Some(1);
-        gn.status = Some(GpuNodeStatus {
-            observed_generation: Some(1),
-            driver_version: Some("550.54.15".into()),
-            cuda_version: Some("12.4".into()),
-            gpu_count: 8,
-            healthy_gpus: 8,
-            validated: Some(Verdict::True),
-            cdi: Some(CdiStatus {
-                path: "/var/run/cdi/gpupool-nvidia.yaml".into(),
-                digest: "sha256:00".into(),
-                devices: 8,
-            }),
-            mig: NodeMigStatus {
-                state: if gn.spec.mig.managed {
-                    MigState::Applied
-                } else {
-                    MigState::Idle
-                },
-                observed_generation: Some(1),
-                ..Default::default()
-            },
-            ..Default::default()
-        });
+        gn.status = Some(healthy_status(&gn));
         gn
     }
 
