@@ -4,11 +4,14 @@
 //! The CRD YAML under `crds/` and the chart is generated from these types by `crdgen`;
 //! never edit it by hand.
 
+pub mod conditions;
 pub mod crdgen;
 pub mod labels;
 pub mod node;
 pub mod policy;
 pub mod pool;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use node::{GpuNode, GpuNodeSpec, GpuNodeStatus};
 pub use pool::{GpuPool, GpuPoolSpec, GpuPoolStatus};

@@ -1,12 +1,13 @@
 //! The `GpuNode` resource: one per GPU node, spec from the operator, status from the node agent.
 
-use crate::policy::{CdiPolicy, DriverPolicy, MigStrategy};
+use crate::policy::{CdiPolicy, DriverCheck, DriverPolicy, MigStrategy};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::CustomResource;
 use kube::core::Duration;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::fmt;
 
 /// The desired state of one GPU node, resolved by the operator from the node's pool.
 /// Named after its Node.
@@ -127,8 +128,11 @@ pub struct GpuNodeStatus {
     pub healthy_gpus: u32,
 
     /// `True` when every check passed, `False` when one failed, `Unknown` before the first run.
+    // The schema stays a plain string: an enum there would make the API server reject a status
+    // from an agent that knows a value this version does not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub validated: Option<String>,
+    #[schemars(with = "Option<String>")]
+    pub validated: Option<Verdict>,
 
     /// Each driver check and its result.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -156,11 +160,150 @@ pub struct GpuNodeStatus {
 #[serde(rename_all = "camelCase")]
 pub struct CheckResult {
     /// The check, e.g. `DriverVersion`, `CUDAVersion`, `ECCErrors`.
-    pub name: String,
+    // A plain string in the schema, like `validated`, so a newer agent's checks are accepted.
+    #[schemars(with = "String")]
+    pub name: CheckName,
     /// Whether it passed.
     pub passed: bool,
     /// What was found, and on failure what to do.
     pub message: String,
+}
+
+/// The outcome of a node's driver checks, spelled as a condition status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Verdict {
+    /// Every check passed.
+    True,
+    /// At least one check failed.
+    False,
+    /// No check has run yet. A value this version does not know reads as this too, so one odd
+    /// status cannot stop a watch of every GpuNode.
+    #[serde(other)]
+    Unknown,
+}
+
+impl Verdict {
+    /// `True` when every check passed, `False` when one failed, `Unknown` when none ran.
+    pub fn of_checks(checks: &[CheckResult]) -> Self {
+        if checks.is_empty() {
+            Verdict::Unknown
+        } else if checks.iter().all(|c| c.passed) {
+            Verdict::True
+        } else {
+            Verdict::False
+        }
+    }
+
+    /// The serialized form: `True`, `False` or `Unknown`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::True => "True",
+            Verdict::False => "False",
+            Verdict::Unknown => "Unknown",
+        }
+    }
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The name of a driver check in a node's status: the checks a pool selects ([`DriverCheck`])
+/// plus the version checks its `minVersion` and `cudaVersion` add. Serialized as the bare
+/// name, e.g. `NVMLInit`, `CUDAVersion`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum CheckName {
+    /// NVML loads and initialises.
+    NvmlInit,
+    /// The driver is at least the pool's `minVersion`.
+    DriverVersion,
+    /// The driver supports the pool's `cudaVersion`.
+    CudaVersion,
+    /// The nvidia kernel module is loaded.
+    KernelModule,
+    /// The device nodes exist under the driver root.
+    DeviceNodes,
+    /// No uncorrected ECC errors.
+    EccErrors,
+    /// PCIe replay counters below the threshold.
+    PcieReplay,
+    /// No fatal Xid errors.
+    XidErrors,
+    /// Persistence mode on.
+    PersistenceMode,
+    /// A check this version does not know (from a newer agent), kept as written. Never holds
+    /// one of the names above: [`CheckName::from`] maps those to their variants.
+    Other(String),
+}
+
+impl CheckName {
+    /// The name as serialized.
+    pub fn as_str(&self) -> &str {
+        match self {
+            CheckName::NvmlInit => "NVMLInit",
+            CheckName::DriverVersion => "DriverVersion",
+            CheckName::CudaVersion => "CUDAVersion",
+            CheckName::KernelModule => "KernelModule",
+            CheckName::DeviceNodes => "DeviceNodes",
+            CheckName::EccErrors => "ECCErrors",
+            CheckName::PcieReplay => "PCIeReplay",
+            CheckName::XidErrors => "XidErrors",
+            CheckName::PersistenceMode => "PersistenceMode",
+            CheckName::Other(name) => name,
+        }
+    }
+}
+
+impl From<DriverCheck> for CheckName {
+    fn from(check: DriverCheck) -> Self {
+        match check {
+            DriverCheck::NvmlInit => CheckName::NvmlInit,
+            DriverCheck::KernelModule => CheckName::KernelModule,
+            DriverCheck::DeviceNodes => CheckName::DeviceNodes,
+            DriverCheck::EccErrors => CheckName::EccErrors,
+            DriverCheck::PcieReplay => CheckName::PcieReplay,
+            DriverCheck::XidErrors => CheckName::XidErrors,
+            DriverCheck::PersistenceMode => CheckName::PersistenceMode,
+        }
+    }
+}
+
+impl From<&str> for CheckName {
+    fn from(name: &str) -> Self {
+        match name {
+            "NVMLInit" => CheckName::NvmlInit,
+            "DriverVersion" => CheckName::DriverVersion,
+            "CUDAVersion" => CheckName::CudaVersion,
+            "KernelModule" => CheckName::KernelModule,
+            "DeviceNodes" => CheckName::DeviceNodes,
+            "ECCErrors" => CheckName::EccErrors,
+            "PCIeReplay" => CheckName::PcieReplay,
+            "XidErrors" => CheckName::XidErrors,
+            "PersistenceMode" => CheckName::PersistenceMode,
+            other => CheckName::Other(other.to_owned()),
+        }
+    }
+}
+
+impl fmt::Display for CheckName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for CheckName {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for CheckName {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = std::borrow::Cow::<str>::deserialize(deserializer)?;
+        Ok(CheckName::from(name.as_ref()))
+    }
 }
 
 /// Health of a device.
@@ -318,4 +461,79 @@ pub struct CdiStatus {
     /// Devices it names.
     #[serde(default)]
     pub devices: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdict_is_spelled_as_before() {
+        for (verdict, text) in [
+            (Verdict::True, "True"),
+            (Verdict::False, "False"),
+            (Verdict::Unknown, "Unknown"),
+        ] {
+            assert_eq!(serde_json::to_value(verdict).unwrap(), text);
+            assert_eq!(verdict.to_string(), text);
+            let back: Verdict = serde_json::from_value(text.into()).unwrap();
+            assert_eq!(back, verdict);
+        }
+        let odd: Verdict = serde_json::from_value("Maybe".into()).unwrap();
+        assert_eq!(odd, Verdict::Unknown);
+    }
+
+    #[test]
+    fn verdict_of_checks() {
+        let check = |passed| CheckResult {
+            name: CheckName::XidErrors,
+            passed,
+            message: String::new(),
+        };
+        assert_eq!(Verdict::of_checks(&[]), Verdict::Unknown);
+        assert_eq!(Verdict::of_checks(&[check(true)]), Verdict::True);
+        assert_eq!(
+            Verdict::of_checks(&[check(true), check(false)]),
+            Verdict::False
+        );
+    }
+
+    #[test]
+    fn check_names_are_spelled_as_the_policy_spells_them() {
+        for check in DriverCheck::all() {
+            let name = CheckName::from(check);
+            assert_eq!(
+                serde_json::to_value(&name).unwrap(),
+                serde_json::to_value(check).unwrap()
+            );
+            assert_eq!(CheckName::from(name.as_str()), name);
+        }
+        for (name, text) in [
+            (CheckName::DriverVersion, "DriverVersion"),
+            (CheckName::CudaVersion, "CUDAVersion"),
+            (CheckName::Other("FanSpeed".into()), "FanSpeed"),
+        ] {
+            assert_eq!(serde_json::to_value(&name).unwrap(), text);
+            let back: CheckName = serde_json::from_value(text.into()).unwrap();
+            assert_eq!(back, name);
+        }
+    }
+
+    #[test]
+    fn a_status_reads_and_writes_back_unchanged() {
+        let wire = serde_json::json!({
+            "gpuCount": 0,
+            "healthyGpus": 0,
+            "validated": "False",
+            "checks": [
+                {"name": "CUDAVersion", "passed": false, "message": "too old"},
+                {"name": "SomethingNew", "passed": true, "message": "fine"}
+            ],
+            "mig": {"state": "Idle"}
+        });
+        let status: GpuNodeStatus = serde_json::from_value(wire.clone()).unwrap();
+        assert_eq!(status.validated, Some(Verdict::False));
+        assert_eq!(status.checks[0].name, CheckName::CudaVersion);
+        assert_eq!(serde_json::to_value(&status).unwrap(), wire);
+    }
 }

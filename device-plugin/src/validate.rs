@@ -211,7 +211,7 @@ pub struct Observations {
 
 fn check(name: &str, passed: bool, message: impl Into<String>) -> CheckResult {
     CheckResult {
-        name: name.to_owned(),
+        name: name.into(),
         passed,
         message: message.into(),
     }
@@ -560,7 +560,7 @@ mod tests {
     fn find<'a>(checks: &'a [CheckResult], name: &str) -> &'a CheckResult {
         checks
             .iter()
-            .find(|c| c.name == name)
+            .find(|c| c.name.as_str() == name)
             .unwrap_or_else(|| panic!("no {name} in {checks:?}"))
     }
 
@@ -677,7 +677,7 @@ mod tests {
             );
             let others_fail: Vec<_> = checks
                 .iter()
-                .filter(|c| !c.passed && c.name != name)
+                .filter(|c| !c.passed && c.name.as_str() != name)
                 .collect();
             assert!(others_fail.is_empty(), "{name}: {others_fail:?}");
         }
@@ -950,7 +950,7 @@ mod tests {
         };
         let names: Vec<String> = run_checks(&p, &good())
             .into_iter()
-            .map(|c| c.name)
+            .map(|c| c.name.to_string())
             .collect();
         assert_eq!(names, ["ECCErrors"]);
     }

@@ -320,7 +320,7 @@ fn persistence_mode_off_on_one_gpu_fails_validation() {
             checks.into_iter().next().unwrap()
         };
         let check = judge(&mut t);
-        assert_eq!(check.name, "PersistenceMode");
+        assert_eq!(check.name.as_str(), "PersistenceMode");
         assert!(!check.passed, "{} {check:?}", h.name());
         assert!(
             check.message.starts_with("persistence mode off on GPU 1: ")

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result, ensure};
-use gpupool_crds::node::{GpuMigSpec, MigState, NodeMigSpec, UtilizationSpec};
+use gpupool_crds::node::{CheckName, GpuMigSpec, MigState, NodeMigSpec, UtilizationSpec, Verdict};
 use gpupool_crds::policy::{CdiDeviceNameStrategy, DriverPolicy, MigStrategy};
 use gpupool_crds::{GpuNode, GpuNodeSpec};
 use gpupool_e2e::agent::{agent_binaries, fake_driver_root, wait_status};
@@ -309,7 +309,7 @@ async fn agent_validates_writes_cdi_tracks_idleness_and_stays_quiet() -> Result<
         &node,
         "validated=True",
         Duration::from_secs(60),
-        |s| s.validated.as_deref() == Some("True") && s.gpu_count == 2 && s.cdi.is_some(),
+        |s| s.validated == Some(Verdict::True) && s.gpu_count == 2 && s.cdi.is_some(),
     )
     .await
     .with_context(|| agent.log_text())?;
@@ -544,7 +544,7 @@ async fn agent_reports_failed_validation_with_message_and_event() -> Result<()> 
         &node,
         "validated=False",
         Duration::from_secs(60),
-        |s| s.validated.as_deref() == Some("False"),
+        |s| s.validated == Some(Verdict::False),
     )
     .await
     .with_context(|| agent.log_text())?;
@@ -552,7 +552,7 @@ async fn agent_reports_failed_validation_with_message_and_event() -> Result<()> 
     let cuda = status
         .checks
         .iter()
-        .find(|c| c.name == "CUDAVersion")
+        .find(|c| c.name == CheckName::CudaVersion)
         .context("no CUDAVersion check")?;
     ensure!(!cuda.passed);
     ensure!(
@@ -564,7 +564,7 @@ async fn agent_reports_failed_validation_with_message_and_event() -> Result<()> 
     let version = status
         .checks
         .iter()
-        .find(|c| c.name == "DriverVersion")
+        .find(|c| c.name == CheckName::DriverVersion)
         .context("no DriverVersion")?;
     ensure!(
         !version.passed
@@ -593,7 +593,7 @@ async fn agent_reports_failed_validation_with_message_and_event() -> Result<()> 
         &node,
         "validated=True after lowering",
         Duration::from_secs(30),
-        |s| s.validated.as_deref() == Some("True"),
+        |s| s.validated == Some(Verdict::True),
     )
     .await?;
     wait_event(&client, &node, "ValidationPassed").await?;
@@ -619,7 +619,11 @@ async fn agent_reports_failed_validation_with_message_and_event() -> Result<()> 
         &node,
         "XidErrors failed from the kernel log",
         Duration::from_secs(30),
-        |s| s.checks.iter().any(|c| c.name == "XidErrors" && !c.passed),
+        |s| {
+            s.checks
+                .iter()
+                .any(|c| c.name == CheckName::XidErrors && !c.passed)
+        },
     )
     .await
     .with_context(|| agent.log_text())?;
@@ -628,7 +632,7 @@ async fn agent_reports_failed_validation_with_message_and_event() -> Result<()> 
         .unwrap_or_default()
         .checks
         .into_iter()
-        .find(|c| c.name == "XidErrors")
+        .find(|c| c.name == CheckName::XidErrors)
         .context("no XidErrors check")?;
     ensure!(xid.message.ends_with("GPU 0: Xid 79"), "{}", xid.message);
 
@@ -642,14 +646,16 @@ async fn agent_reports_failed_validation_with_message_and_event() -> Result<()> 
             s.gpus
                 .get(1)
                 .is_some_and(|g| g.health == gpupool_crds::node::Health::Unhealthy)
-                && s.checks.iter().any(|c| c.name == "ECCErrors" && !c.passed)
+                && s.checks
+                    .iter()
+                    .any(|c| c.name == CheckName::EccErrors && !c.passed)
         },
     )
     .await
     .with_context(|| agent.log_text())?;
     let status = gn.status.unwrap_or_default();
     ensure!(status.healthy_gpus == 1, "{}", status.healthy_gpus);
-    ensure!(status.validated.as_deref() == Some("False"));
+    ensure!(status.validated == Some(Verdict::False));
     let unhealthy = wait_event(&client, &node, "DeviceUnhealthy").await?;
     ensure!(unhealthy.message.unwrap_or_default().contains("GPU 1"));
     poll(
@@ -729,7 +735,7 @@ async fn agent_applies_mig_layout_and_completes_it_after_kill_9() -> Result<()> 
         &node,
         "validated on the NVML backend",
         Duration::from_secs(60),
-        |s| s.validated.as_deref() == Some("True") && s.gpu_count == 2,
+        |s| s.validated == Some(Verdict::True) && s.gpu_count == 2,
     )
     .await
     .with_context(|| agent.log_text())?;

@@ -5,7 +5,7 @@
 use std::fs;
 
 use anyhow::{Context, Result, bail, ensure};
-use gpupool_crds::node::{MigState, NodeMigStatus};
+use gpupool_crds::node::{MigState, NodeMigStatus, Verdict};
 use gpupool_crds::pool::{GpuCounts, MigProgress, ReclaimStatus};
 use gpupool_crds::{GpuNode, GpuNodeSpec, GpuNodeStatus, GpuPoolStatus};
 use gpupool_e2e::manifest::{self, Manifest, expectation, read_objects, scoped, yaml_files};
@@ -427,7 +427,7 @@ async fn kubectl_prints_the_printer_columns() -> Result<()> {
         cuda_version: Some("12.4".to_owned()),
         gpu_count: 8,
         healthy_gpus: 7,
-        validated: Some("True".to_owned()),
+        validated: Some(Verdict::True),
         mig: NodeMigStatus {
             state: MigState::Applied,
             ..Default::default()

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_LABEL};
-use gpupool_crds::node::CheckResult;
+use gpupool_crds::node::{CheckName, CheckResult, Verdict};
 use gpupool_crds::{GpuNode, GpuPool};
 use gpupool_e2e::{Cluster, TestScope, crds, wait};
 use k8s_openapi::api::coordination::v1::Lease;
@@ -107,10 +107,10 @@ async fn pool_becomes_ready_follows_labels_taints_and_cleans_up() -> Result<()> 
 
     // A failed driver check: not Ready, the problem says why, and the node is tainted.
     report_status(&client, &n1, |s| {
-        s.validated = Some("False".into());
+        s.validated = Some(Verdict::False);
         s.driver_version = Some("535.104.05".into());
         s.checks = vec![CheckResult {
-            name: "CUDAVersion".into(),
+            name: CheckName::CudaVersion,
             passed: false,
             message: "driver 535.104.05 supports CUDA 12.2; pool requires 12.4: upgrade the driver to ≥ 550".into(),
         }];

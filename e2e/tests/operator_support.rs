@@ -12,7 +12,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use gpupool_crds::node::{CdiStatus, GpuNodeStatus, MigState, NodeMigStatus};
+use gpupool_crds::node::GpuNodeStatus;
+use gpupool_crds::testing::healthy_status;
 use gpupool_crds::{GpuNode, GpuPool};
 use gpupool_e2e::{Cluster, TestScope, repo_root, wait};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -289,30 +290,7 @@ pub async fn report_status(
 ) -> Result<()> {
     let api: Api<GpuNode> = Api::all(client.clone());
     let gn = api.get(node).await?;
-    let generation = gn.metadata.generation;
-    let mut status = GpuNodeStatus {
-        observed_generation: generation,
-        driver_version: Some("550.54.15".into()),
-        cuda_version: Some("12.4".into()),
-        gpu_count: 8,
-        healthy_gpus: 8,
-        validated: Some("True".into()),
-        cdi: Some(CdiStatus {
-            path: "/var/run/cdi/gpupool-nvidia.yaml".into(),
-            digest: "sha256:e2e".into(),
-            devices: 8,
-        }),
-        mig: NodeMigStatus {
-            state: if gn.spec.mig.managed {
-                MigState::Applied
-            } else {
-                MigState::Idle
-            },
-            observed_generation: generation,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
+    let mut status = healthy_status(&gn);
     edit(&mut status);
     let patch = json!({
         "apiVersion": "gpupool.io/v1alpha1",

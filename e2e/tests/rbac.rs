@@ -25,6 +25,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use chart::{Release, service_account_kubeconfig};
 use gpupool_crds::labels::{POOL_LABEL, PRODUCT_LABEL};
+use gpupool_crds::node::Verdict;
 use gpupool_e2e::agent::{agent_binaries, fake_driver_root};
 use gpupool_e2e::wait::poll;
 use gpupool_e2e::{Cluster, TestScope, crds, repo_root};
@@ -307,7 +308,7 @@ async fn operator_and_agent_work_as_the_charts_service_accounts() -> Result<()> 
     op::wait_gpunode(&admin, &node, |g| {
         g.status
             .as_ref()
-            .is_some_and(|s| s.validated.as_deref() == Some("True") && s.gpu_count == 2)
+            .is_some_and(|s| s.validated == Some(Verdict::True) && s.gpu_count == 2)
     })
     .await
     .with_context(|| logs(&operator, &agent))?;

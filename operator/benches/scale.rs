@@ -20,7 +20,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt, stream};
-use gpupool_crds::node::{CdiStatus, GpuNodeStatus, MigState, NodeMigStatus};
+use gpupool_crds::testing::healthy_status;
 use gpupool_crds::{GpuNode, GpuPool};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -93,26 +93,8 @@ fn ready(pool: &GpuPool) -> bool {
 }
 
 fn status_for(gn: &GpuNode) -> serde_json::Value {
-    let generation = gn.metadata.generation;
-    let status = GpuNodeStatus {
-        observed_generation: generation,
-        driver_version: Some("550.54.15".into()),
-        cuda_version: Some("12.4".into()),
-        gpu_count: 8,
-        healthy_gpus: 8,
-        validated: Some("True".into()),
-        cdi: Some(CdiStatus {
-            path: "/var/run/cdi/gpupool-nvidia.yaml".into(),
-            digest: "sha256:bench".into(),
-            devices: 8,
-        }),
-        mig: NodeMigStatus {
-            state: MigState::Applied,
-            observed_generation: generation,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
+    // The bench pool's layout fits every node, so the fixture reports MIG applied.
+    let status = healthy_status(gn);
     json!({ "apiVersion": "gpupool.io/v1alpha1", "kind": "GpuNode", "status": status })
 }
 

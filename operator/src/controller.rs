@@ -1,22 +1,25 @@
 //! The GpuPool controller: reconcile (I/O edges around the pure decisions in [`crate::pool`],
-//! [`crate::reclaim`] and [`crate::drain`]), error policy, and wiring of watches and stores.
+//! [`crate::membership`] and [`crate::reclaim`], with MIG drains in [`crate::drain`]), error
+//! policy, and wiring of watches and stores. What reconciles share is in [`crate::context`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{StreamExt, future, stream};
+use gpupool_crds::conditions::{Observed, condition};
 use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
+use gpupool_crds::node::Verdict;
 use gpupool_crds::policy::{OnFailure, ReclaimMode};
 use gpupool_crds::{GpuNode, GpuPool, GpuPoolStatus};
-use k8s_openapi::api::core::v1::{Namespace, Node, ObjectReference, Pod, Taint};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Taint};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, DynamicObject, PartialObjectMeta, Patch, PatchParams};
 use kube::core::{ApiResource, DeserializeGuard};
 use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::watcher::{self, watcher};
 use kube::runtime::{WatchStreamExt, reflector::reflector};
 use kube::{Client, Resource, ResourceExt};
@@ -24,107 +27,15 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use crate::context::{Context, FIELD_MANAGER, Settings};
 use crate::error::{Error, Failures, Result};
 use crate::metrics::{ErrorLabels, Metrics, ReconcileLabels};
-use crate::pool::{self, ConflictingNode, Member};
-use crate::{drain, reclaim_run};
+use crate::pool::{self, Member};
+use crate::{drain, membership, reclaim_run};
 
-/// Field manager for every write.
-pub const FIELD_MANAGER: &str = "gpupool-operator";
 const CONTROLLER: &str = "gpupool";
 /// Writes of one reconcile in flight at once.
 const WRITE_CONCURRENCY: usize = 16;
-
-/// Operator settings the reconciler needs.
-#[derive(Clone, Debug)]
-pub struct Settings {
-    /// How often pools with reclaim on are re-examined.
-    pub reclaim_interval: Duration,
-    /// Requeue period when nothing is pending.
-    pub resync: Duration,
-    /// First error backoff.
-    pub backoff_min: Duration,
-    /// Error backoff cap.
-    pub backoff_max: Duration,
-    /// Label selector narrowing the GpuPools this operator manages (sharding, tests).
-    pub pool_selector: Option<String>,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Self {
-            reclaim_interval: Duration::from_secs(30),
-            resync: Duration::from_secs(300),
-            backoff_min: Duration::from_secs(5),
-            backoff_max: Duration::from_secs(300),
-            pool_selector: None,
-        }
-    }
-}
-
-/// What every reconcile shares: the client, the reflector stores, the recorder, metrics.
-pub struct Context {
-    /// API client.
-    pub client: Client,
-    /// A client that does not retry 429s itself: evictions blocked by a PodDisruptionBudget
-    /// answer 429, and the reclaimer retries those on its own schedule instead of stalling the
-    /// reconcile in the client's backoff.
-    pub evict_client: Client,
-    /// GpuPools (as the controller sees them).
-    pub pools: Store<DeserializeGuard<GpuPool>>,
-    /// Nodes, status stripped.
-    pub nodes: Store<Node>,
-    /// GpuNodes.
-    pub gpunodes: Store<GpuNode>,
-    /// Pods, trimmed to what the reclaimer and drain need.
-    pub pods: Store<Pod>,
-    /// Namespaces' metadata.
-    pub namespaces: Store<PartialObjectMeta<Namespace>>,
-    /// Event recorder.
-    pub recorder: Recorder,
-    /// Metrics.
-    pub metrics: Arc<Metrics>,
-    /// Settings.
-    pub settings: Settings,
-    /// Consecutive failures per pool, for the capped error backoff.
-    pub failures: Mutex<HashMap<String, u32>>,
-    /// Per-pod eviction retry state: attempts and when to try next.
-    pub evict_retry: Mutex<HashMap<String, (u32, Timestamp)>>,
-}
-
-impl Context {
-    fn reset_failures(&self, pool: &str) {
-        if let Ok(mut f) = self.failures.lock() {
-            f.remove(pool);
-        }
-    }
-
-    /// The delay before the next try after a failure: min doubling to max.
-    pub fn backoff(&self, pool: &str) -> Duration {
-        let n = match self.failures.lock() {
-            Ok(mut f) => {
-                let n = f.entry(pool.to_owned()).or_insert(0);
-                *n = n.saturating_add(1);
-                *n
-            }
-            Err(_) => 1,
-        };
-        capped_backoff(n, self.settings.backoff_min, self.settings.backoff_max)
-    }
-
-    /// Publishes an Event, logging (never failing on) errors: Events are best effort.
-    pub async fn event(&self, reference: &ObjectReference, ev: Event) {
-        if let Err(e) = self.recorder.publish(&ev, reference).await {
-            warn!(error = %e, reason = %ev.reason, "publishing an Event failed");
-        }
-    }
-}
-
-/// `min × 2^(n-1)`, capped at `max`.
-pub fn capped_backoff(failures: u32, min: Duration, max: Duration) -> Duration {
-    let factor = 2u32.saturating_pow(failures.saturating_sub(1).min(20));
-    min.saturating_mul(factor).min(max)
-}
 
 fn pool_api_resource() -> ApiResource {
     ApiResource::erase::<GpuPool>(&())
@@ -221,18 +132,23 @@ async fn report_unapplied_failure(pool: &GpuPool, error: &Error, ctx: &Context) 
 /// A pool whose object cannot be read: say so in its status and wait for an edit.
 async fn report_invalid(name: &str, message: &str, ctx: &Context) -> Result<Action> {
     let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &pool_api_resource());
+    // The object cannot be read, so neither can its previous conditions: the transition time
+    // is now.
+    let ready = condition(
+        &[],
+        Observed {
+            type_: "Ready",
+            status: false,
+            reason: "InvalidSpec",
+            message: format!("the GpuPool cannot be read: {message}"),
+            observed_generation: None,
+        },
+        Timestamp::now(),
+    );
     let patch = json!({
         "apiVersion": "gpupool.io/v1alpha1",
         "kind": "GpuPool",
-        "status": {
-            "conditions": [{
-                "type": "Ready",
-                "status": "False",
-                "reason": "InvalidSpec",
-                "message": format!("the GpuPool cannot be read: {message}"),
-                "lastTransitionTime": Timestamp::now().to_string(),
-            }]
-        }
+        "status": { "conditions": [ready] }
     });
     api.patch_status(
         name,
@@ -247,43 +163,6 @@ async fn report_invalid(name: &str, message: &str, ctx: &Context) -> Result<Acti
     ))?;
     ctx.metrics.write("GpuPool", "status");
     Ok(Action::await_change())
-}
-
-/// What [`plan_membership`] found: owned nodes and conflicts.
-pub struct Membership {
-    /// Nodes this pool owns, sorted by name.
-    pub members: Vec<Arc<Node>>,
-    /// Nodes matched here that older pools own.
-    pub conflicts: Vec<ConflictingNode>,
-}
-
-/// Splits the nodes the pool matches into owned and conflicting (pure over the stores).
-pub fn plan_membership(pool: &GpuPool, pools: &[Arc<GpuPool>], nodes: &[Arc<Node>]) -> Membership {
-    let mut members = Vec::new();
-    let mut conflicts = Vec::new();
-    let uid = pool.uid();
-    for node in nodes {
-        let labels = node.labels();
-        if !pool::matches(pool, labels) {
-            continue;
-        }
-        let candidates = pools
-            .iter()
-            .map(|p| p.as_ref())
-            .filter(|p| p.uid() != uid)
-            .chain(std::iter::once(pool));
-        match pool::owner_of(labels, candidates) {
-            Some(owner) if owner.uid() == uid => members.push(node.clone()),
-            Some(owner) => conflicts.push(ConflictingNode {
-                node: node.name_any(),
-                owner: owner.name_any(),
-            }),
-            None => {}
-        }
-    }
-    members.sort_by_key(|n| n.name_any());
-    conflicts.sort();
-    Membership { members, conflicts }
 }
 
 fn valid_pools(ctx: &Context) -> Vec<Arc<GpuPool>> {
@@ -314,7 +193,7 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     let pools = valid_pools(ctx);
     let nodes = ctx.nodes.state();
     let selector_error = pool::selector(pool).err();
-    let membership = plan_membership(pool, &pools, &nodes);
+    let membership = membership::plan_membership(pool, &pools, &nodes);
     let gpunodes: BTreeMap<String, Arc<GpuNode>> = ctx
         .gpunodes
         .state()
@@ -442,8 +321,8 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
             && gpunodes
                 .get(&node_name)
                 .and_then(|g| g.status.as_ref())
-                .and_then(|s| s.validated.as_deref())
-                == Some("False");
+                .and_then(|s| s.validated)
+                == Some(Verdict::False);
         // Only the operator sets this taint, so a node that leaves the pool loses it.
         node_writes.push((node.clone(), is_member.then(|| name.clone()), want_taint));
     }
@@ -888,20 +767,4 @@ pub async fn run(
         .await;
     side.abort();
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_doubles_and_caps() {
-        let min = Duration::from_secs(5);
-        let max = Duration::from_secs(300);
-        let got: Vec<u64> = (1..=9)
-            .map(|n| capped_backoff(n, min, max).as_secs())
-            .collect();
-        assert_eq!(got, vec![5, 10, 20, 40, 80, 160, 300, 300, 300]);
-        assert_eq!(capped_backoff(u32::MAX, min, max), max);
-    }
 }

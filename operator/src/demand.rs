@@ -14,7 +14,25 @@ use k8s_openapi::api::core::v1::{
 };
 use kube::ResourceExt;
 
-use crate::drain::requests_gpu;
+/// Whether a pod asks for GPUs (`nvidia.com/gpu` or `nvidia.com/mig-*`).
+pub fn requests_gpu(pod: &Pod) -> bool {
+    pod.spec.as_ref().is_some_and(|spec| {
+        spec.containers.iter().any(|c| {
+            c.resources.as_ref().is_some_and(|r| {
+                r.limits
+                    .iter()
+                    .chain(r.requests.iter())
+                    .flat_map(|m| m.keys())
+                    .any(|k| is_gpu_resource(k))
+            })
+        })
+    })
+}
+
+/// Whether a resource name is a GPU resource gpupool serves.
+pub fn is_gpu_resource(name: &str) -> bool {
+    name == "nvidia.com/gpu" || name.starts_with("nvidia.com/mig-")
+}
 
 /// Whether some pod wants GPUs, waits to be scheduled, and could run on one of `nodes`.
 pub fn demand_pending<'a>(pods: impl IntoIterator<Item = &'a Pod>, nodes: &[Arc<Node>]) -> bool {
@@ -288,6 +306,44 @@ mod tests {
                 &[("dedicated", Some("inference"), "NoSchedule")],
             )),
         ]
+    }
+
+    #[test]
+    fn gpu_requests_by_resource_name_in_limits_or_requests() {
+        let with = |limits: &[&str], requests: &[&str]| {
+            let map = |names: &[&str]| {
+                (!names.is_empty()).then(|| {
+                    names
+                        .iter()
+                        .map(|n| ((*n).to_owned(), Quantity("1".into())))
+                        .collect()
+                })
+            };
+            let mut p = pending(&[], None, vec![]);
+            if let Some(spec) = p.spec.as_mut() {
+                spec.containers[0].resources = Some(ResourceRequirements {
+                    limits: map(limits),
+                    requests: map(requests),
+                    ..Default::default()
+                });
+            }
+            p
+        };
+        let cases: [(&str, Pod, bool); 6] = [
+            ("whole GPU", with(&["nvidia.com/gpu"], &[]), true),
+            ("MIG device", with(&["nvidia.com/mig-1g.10gb"], &[]), true),
+            ("in requests only", with(&[], &["nvidia.com/gpu"]), true),
+            ("CPU only", with(&["cpu"], &["memory"]), false),
+            (
+                "another vendor's prefix",
+                with(&["nvidia.com/gpumem"], &[]),
+                false,
+            ),
+            ("no resources", with(&[], &[]), false),
+        ];
+        for (name, pod, want) in cases {
+            assert_eq!(requests_gpu(&pod), want, "{name}");
+        }
     }
 
     #[test]

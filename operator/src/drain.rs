@@ -10,28 +10,9 @@ use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
 use tracing::{info, warn};
 
-use crate::controller::Context;
+use crate::context::Context;
+use crate::demand::requests_gpu;
 use crate::error::{Failures, api_code};
-
-/// Whether a pod asks for GPUs (`nvidia.com/gpu` or `nvidia.com/mig-*`).
-pub fn requests_gpu(pod: &Pod) -> bool {
-    pod.spec.as_ref().is_some_and(|spec| {
-        spec.containers.iter().any(|c| {
-            c.resources.as_ref().is_some_and(|r| {
-                r.limits
-                    .iter()
-                    .chain(r.requests.iter())
-                    .flat_map(|m| m.keys())
-                    .any(|k| is_gpu_resource(k))
-            })
-        })
-    })
-}
-
-/// Whether a resource name is a GPU resource gpupool serves.
-pub fn is_gpu_resource(name: &str) -> bool {
-    name == "nvidia.com/gpu" || name.starts_with("nvidia.com/mig-")
-}
 
 /// The GPU pods still to leave a node (pure over the pods given).
 pub fn pods_to_drain<'a>(node: &str, pods: impl IntoIterator<Item = &'a Pod>) -> Vec<&'a Pod> {

@@ -18,7 +18,8 @@ use kube::{Client, Resource, ResourceExt};
 use serde_json::Value;
 use tower_test::mock::{self, Handle};
 
-use crate::controller::{Context, Settings, reconcile};
+use crate::context::{Context, Settings};
+use crate::controller::reconcile;
 use crate::error::ApiFailure;
 use crate::metrics::Metrics;
 use crate::pool::tests::{labels, pool, ready_gpunode};

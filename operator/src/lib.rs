@@ -1,15 +1,18 @@
 //! gpupool operator: reconciles GpuPools into per-node GpuNodes, folds the node agents'
 //! reports into pool status, coordinates MIG drains, and reclaims idle GPU pods.
 //!
-//! Decisions live in pure functions ([`pool`], [`layout`], [`reclaim`], [`demand`]);
-//! [`controller`], [`drain`] and [`reclaim_run`] do the I/O around them.
+//! Decisions live in pure functions ([`pool`], [`membership`], [`layout`], [`reclaim`],
+//! [`demand`]); [`controller`], [`drain`] and [`reclaim_run`] do the I/O around them, sharing
+//! the [`context`] the controller builds.
 
+pub mod context;
 pub mod controller;
 pub mod demand;
 pub mod drain;
 pub mod error;
 pub mod http;
 pub mod layout;
+pub mod membership;
 pub mod metrics;
 pub mod pool;
 pub mod reclaim;

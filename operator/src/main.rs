@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
-use gpupool_operator::controller::{self, Settings};
+use gpupool_operator::context::Settings;
+use gpupool_operator::controller;
 use gpupool_operator::http::{self, HttpState};
 use gpupool_operator::metrics::Metrics;
 use gpupool_operator::startup;

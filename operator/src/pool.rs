@@ -3,11 +3,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpupool_crds::node::{GpuNode, GpuNodeSpec, Health, MigState, UtilizationSpec};
+use gpupool_crds::conditions::{Observed, condition, set_condition};
+use gpupool_crds::node::{GpuNode, GpuNodeSpec, Health, MigState, UtilizationSpec, Verdict};
 use gpupool_crds::pool::{
     DriverVersionCount, GpuCounts, GpuPool, GpuPoolStatus, MigProgress, NodeProblem, ReclaimStatus,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
 use kube::core::{Selector, SelectorExt};
 use kube::{Resource, ResourceExt};
@@ -210,9 +211,9 @@ fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -
     v.reported = true;
     let generation = gn.metadata.generation;
     let current = |observed: Option<i64>| generation.is_none() || observed == generation;
-    match status.validated.as_deref() {
-        Some("True") => v.validated = true,
-        Some("False") => {
+    match status.validated {
+        Some(Verdict::True) => v.validated = true,
+        Some(Verdict::False) => {
             v.driver_failed = true;
             let failed: Vec<_> = status.checks.iter().filter(|c| !c.passed).collect();
             if failed.is_empty() {
@@ -338,14 +339,15 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
     let gen_ = pool.metadata.generation;
     let mut conditions = Vec::new();
     let mut cond = |type_: &str, ok: bool, reason: &str, message: String| {
-        let status = if ok { "True" } else { "False" };
         conditions.push(condition(
             &previous.conditions,
-            type_,
-            status,
-            reason,
-            message,
-            gen_,
+            Observed {
+                type_,
+                status: ok,
+                reason,
+                message,
+                observed_generation: gen_,
+            },
             input.now,
         ));
     };
@@ -459,55 +461,58 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
     // Conflict is True when there is one: report it with the polarity its name has.
     conditions.push(condition(
         &previous.conditions,
-        "Conflict",
-        if conflict { "True" } else { "False" },
-        if conflict {
-            "NodesOwnedByOlderPool"
-        } else {
-            "NoConflict"
+        Observed {
+            type_: "Conflict",
+            status: conflict,
+            reason: if conflict {
+                "NodesOwnedByOlderPool"
+            } else {
+                "NoConflict"
+            },
+            message: if conflict {
+                let mut owners: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+                for c in &input.conflicts {
+                    owners.entry(&c.owner).or_default().push(&c.node);
+                }
+                format!(
+                    "nodes matched here belong to older pools: {}",
+                    owners
+                        .iter()
+                        .map(|(o, n)| format!("{o} ({})", names(n.iter().copied())))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                )
+            } else {
+                "no node of this pool is matched by an older pool".into()
+            },
+            observed_generation: gen_,
         },
-        if conflict {
-            let mut owners: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-            for c in &input.conflicts {
-                owners.entry(&c.owner).or_default().push(&c.node);
-            }
-            format!(
-                "nodes matched here belong to older pools: {}",
-                owners
-                    .iter()
-                    .map(|(o, n)| format!("{o} ({})", names(n.iter().copied())))
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            )
-        } else {
-            "no node of this pool is matched by an older pool".into()
-        },
-        gen_,
         input.now,
     ));
     let degraded = not(&|v| v.unhealthy);
     conditions.push(condition(
         &previous.conditions,
-        "Degraded",
-        if degraded.is_empty() { "False" } else { "True" },
-        if degraded.is_empty() {
-            "AllGPUsHealthy"
-        } else {
-            "UnhealthyGPUs"
+        Observed {
+            type_: "Degraded",
+            status: !degraded.is_empty(),
+            reason: if degraded.is_empty() {
+                "AllGPUsHealthy"
+            } else {
+                "UnhealthyGPUs"
+            },
+            message: if degraded.is_empty() {
+                "every GPU is healthy".into()
+            } else {
+                format!("unhealthy GPUs on {}", names(degraded.iter().copied()))
+            },
+            observed_generation: gen_,
         },
-        if degraded.is_empty() {
-            "every GPU is healthy".into()
-        } else {
-            format!("unhealthy GPUs on {}", names(degraded.iter().copied()))
-        },
-        gen_,
         input.now,
     ));
 
-    conditions.push(api_errors_condition(
+    conditions.push(condition(
         &previous.conditions,
-        &input.api_failures,
-        gen_,
+        api_errors(&input.api_failures, gen_),
         input.now,
     ));
 
@@ -544,22 +549,16 @@ fn blocked_message(ready: u32, selected: u32) -> String {
 
 /// `APIErrors`: True, naming each failed kind of call once, while API calls fail; False once
 /// a reconcile makes every call it needs.
-fn api_errors_condition(
-    previous: &[Condition],
-    failures: &[ApiFailure],
-    generation: Option<i64>,
-    now: Timestamp,
-) -> Condition {
+fn api_errors(failures: &[ApiFailure], generation: Option<i64>) -> Observed<'static> {
     if failures.is_empty() {
-        return condition(
-            previous,
-            API_ERRORS,
-            "False",
-            "NoErrors",
-            "the operator's last reconcile of this pool made every API call it needed".into(),
-            generation,
-            now,
-        );
+        return Observed {
+            type_: API_ERRORS,
+            status: false,
+            reason: "NoErrors",
+            message: "the operator's last reconcile of this pool made every API call it needed"
+                .into(),
+            observed_generation: generation,
+        };
     }
     let reason = if failures.iter().any(|f| f.code == Some(403)) {
         "Forbidden"
@@ -568,15 +567,13 @@ fn api_errors_condition(
     } else {
         "APICallsFailed"
     };
-    condition(
-        previous,
-        API_ERRORS,
-        "True",
+    Observed {
+        type_: API_ERRORS,
+        status: true,
         reason,
-        api_errors_message(failures),
-        generation,
-        now,
-    )
+        message: api_errors_message(failures),
+        observed_generation: generation,
+    }
 }
 
 /// Each kind of failed call (verb, resource, HTTP status) once, with how many more of it.
@@ -613,58 +610,26 @@ pub fn api_errors_message(failures: &[ApiFailure]) -> String {
 pub fn with_api_failures(pool: &GpuPool, failures: &[ApiFailure], now: Timestamp) -> GpuPoolStatus {
     let mut status = pool.status.clone().unwrap_or_default();
     let generation = pool.metadata.generation;
-    let mut set = |c: Condition| match status.conditions.iter_mut().find(|o| o.type_ == c.type_) {
-        Some(old) => *old = c,
-        None => status.conditions.push(c),
-    };
-    let previous = pool
-        .status
-        .as_ref()
-        .map(|s| s.conditions.clone())
-        .unwrap_or_default();
-    set(api_errors_condition(&previous, failures, generation, now));
+    set_condition(
+        &mut status.conditions,
+        api_errors(failures, generation),
+        now,
+    );
     if failures.iter().any(blocks_ready) {
-        let (ready, selected) = pool
-            .status
-            .as_ref()
-            .map(|s| (s.ready_nodes, s.selected_nodes))
-            .unwrap_or_default();
-        set(condition(
-            &previous,
-            "Ready",
-            "False",
-            API_ERRORS,
-            blocked_message(ready, selected),
-            generation,
+        let message = blocked_message(status.ready_nodes, status.selected_nodes);
+        set_condition(
+            &mut status.conditions,
+            Observed {
+                type_: "Ready",
+                status: false,
+                reason: API_ERRORS,
+                message,
+                observed_generation: generation,
+            },
             now,
-        ));
+        );
     }
     status
-}
-
-/// A condition, keeping the previous transition time when its status did not change.
-fn condition(
-    previous: &[Condition],
-    type_: &str,
-    status: &str,
-    reason: &str,
-    message: String,
-    generation: Option<i64>,
-    now: Timestamp,
-) -> Condition {
-    let last_transition_time = previous
-        .iter()
-        .find(|c| c.type_ == type_ && c.status == status)
-        .map(|c| c.last_transition_time.clone())
-        .unwrap_or(Time(now));
-    Condition {
-        type_: type_.to_owned(),
-        status: status.to_owned(),
-        reason: reason.to_owned(),
-        message,
-        observed_generation: generation,
-        last_transition_time,
-    }
 }
 
 /// `a, b, c and 4 more`.
@@ -691,10 +656,11 @@ pub fn condition_status<'a>(status: &'a GpuPoolStatus, type_: &str) -> Option<&'
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use gpupool_crds::node::{CdiStatus, CheckResult, GpuNodeStatus, GpuStatus, NodeMigStatus};
+    use gpupool_crds::node::{CheckName, CheckResult, GpuStatus};
     use gpupool_crds::policy::{MigLayout, MigPolicy, MigStrategy};
     use gpupool_crds::pool::GpuPoolSpec;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+    use gpupool_crds::testing::healthy_status;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, Time};
 
     pub(crate) fn ts(s: &str) -> Timestamp {
         s.parse().unwrap()
@@ -739,29 +705,7 @@ pub(crate) mod tests {
             ]),
         );
         gn.metadata.generation = Some(1);
-        gn.status = Some(GpuNodeStatus {
-            observed_generation: Some(1),
-            driver_version: Some("550.54.15".into()),
-            cuda_version: Some("12.4".into()),
-            gpu_count: 8,
-            healthy_gpus: 8,
-            validated: Some("True".into()),
-            cdi: Some(CdiStatus {
-                path: "/var/run/cdi/gpupool-nvidia.yaml".into(),
-                digest: "sha256:00".into(),
-                devices: 8,
-            }),
-            mig: NodeMigStatus {
-                state: if gn.spec.mig.managed {
-                    MigState::Applied
-                } else {
-                    MigState::Idle
-                },
-                observed_generation: Some(1),
-                ..Default::default()
-            },
-            ..Default::default()
-        });
+        gn.status = Some(healthy_status(&gn));
         gn
     }
 
@@ -885,10 +829,10 @@ pub(crate) mod tests {
         let good = ready_gpunode(&p, "n1");
         let mut bad_driver = ready_gpunode(&p, "n2");
         if let Some(s) = bad_driver.status.as_mut() {
-            s.validated = Some("False".into());
+            s.validated = Some(Verdict::False);
             s.driver_version = Some("535.104.05".into());
             s.checks = vec![CheckResult {
-                name: "CUDAVersion".into(),
+                name: CheckName::CudaVersion,
                 passed: false,
                 message: "driver 535.104.05 supports CUDA 12.2; pool requires 12.4: upgrade the driver to ≥ 550".into(),
             }];

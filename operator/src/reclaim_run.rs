@@ -18,7 +18,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
-use crate::controller::{Context, FIELD_MANAGER, capped_backoff};
+use crate::context::{Context, FIELD_MANAGER, capped_backoff};
 use crate::demand::demand_pending;
 use crate::error::{Error, Failures, Result, api_code};
 use crate::reclaim::{

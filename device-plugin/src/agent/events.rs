@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use gpupool_crds::node::{CheckResult, GpuNode, MigState, NodeMigStatus};
+use gpupool_crds::node::{CheckResult, GpuNode, MigState, NodeMigStatus, Verdict};
 use kube::Resource;
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder};
 
@@ -65,7 +65,11 @@ impl AgentEvent {
 
 /// Verdict of a set of checks: `None` when none ran.
 fn passed(checks: &[CheckResult]) -> Option<bool> {
-    (!checks.is_empty()).then(|| checks.iter().all(|c| c.passed))
+    match Verdict::of_checks(checks) {
+        Verdict::True => Some(true),
+        Verdict::False => Some(false),
+        Verdict::Unknown => None,
+    }
 }
 
 fn failures(checks: &[CheckResult]) -> Vec<String> {
@@ -244,7 +248,7 @@ mod tests {
 
     fn check(name: &str, passed: bool, message: &str) -> CheckResult {
         CheckResult {
-            name: name.parse().unwrap(),
+            name: name.into(),
             passed,
             message: message.to_owned(),
         }

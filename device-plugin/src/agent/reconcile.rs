@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use gpupool_crds::node::GpuNode;
+use gpupool_crds::node::{GpuNode, Verdict};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::{Recorder, Reporter};
@@ -240,8 +240,7 @@ impl NodeState {
             &mut self.conditions,
             Timestamp::now(),
         );
-        let checks = self.validation.checks();
-        let validated = !checks.is_empty() && checks.iter().all(|c| c.passed);
+        let validated = status.validated == Some(Verdict::True);
         self.status.publish(gpunode, status).await;
         agent.metrics.set(figures(FigureInputs {
             inventory,

@@ -4,11 +4,12 @@
 
 use std::collections::BTreeMap;
 
+use gpupool_crds::conditions::Observed;
 use gpupool_crds::node::{
     CdiStatus, CheckResult, GpuNode, GpuNodeStatus, GpuStatus, Health as StatusHealth, Idleness,
-    MigDeviceStatus, NodeMigStatus, PodRef,
+    MigDeviceStatus, NodeMigStatus, PodRef, Verdict,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
@@ -122,18 +123,12 @@ pub fn gpu_statuses(
 }
 
 /// `True` / `False` from check results (`Unknown` when there are none).
-pub fn validated(checks: &[CheckResult]) -> String {
-    if checks.is_empty() {
-        "Unknown".to_owned()
-    } else if checks.iter().all(|c| c.passed) {
-        "True".to_owned()
-    } else {
-        "False".to_owned()
-    }
+pub fn validated(checks: &[CheckResult]) -> Verdict {
+    Verdict::of_checks(checks)
 }
 
-/// Sets a condition in `conditions`, keeping its `lastTransitionTime` unless the status
-/// changes. `now` is truncated to seconds, as the API stores it.
+/// Sets a condition in `conditions` with [`gpupool_crds::conditions::set_condition`]
+/// (`lastTransitionTime` kept unless the status changes, whole seconds), sorted by type.
 pub fn set_condition(
     conditions: &mut Vec<Condition>,
     type_: &str,
@@ -143,27 +138,17 @@ pub fn set_condition(
     generation: Option<i64>,
     now: Timestamp,
 ) {
-    let status = if status { "True" } else { "False" }.to_owned();
-    let now = Timestamp::from_second(now.as_second()).unwrap_or(now);
-    match conditions.iter_mut().find(|c| c.type_ == type_) {
-        Some(c) => {
-            if c.status != status {
-                c.last_transition_time = Time(now);
-            }
-            c.status = status;
-            c.reason = reason.to_owned();
-            c.message = message.to_owned();
-            c.observed_generation = generation;
-        }
-        None => conditions.push(Condition {
-            type_: type_.to_owned(),
+    gpupool_crds::conditions::set_condition(
+        conditions,
+        Observed {
+            type_,
             status,
-            reason: reason.to_owned(),
+            reason,
             message: message.to_owned(),
             observed_generation: generation,
-            last_transition_time: Time(now),
-        }),
-    }
+        },
+        now,
+    );
     conditions.sort_by(|a, b| a.type_.cmp(&b.type_));
 }
 
@@ -322,6 +307,7 @@ mod tests {
     use crate::plugin::{AllocateOptions, ResourceView, Topology};
     use gpupool_crds::policy::{CdiDeviceNameStrategy, MigStrategy as CrdMigStrategy};
     use gpupool_mig_catalog as catalog;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use std::sync::Arc;
 
     #[test]
@@ -371,9 +357,9 @@ mod tests {
             passed: false,
             ..ok.clone()
         };
-        assert_eq!(validated(&[]), "Unknown");
-        assert_eq!(validated(std::slice::from_ref(&ok)), "True");
-        assert_eq!(validated(&[ok, bad]), "False");
+        assert_eq!(validated(&[]), Verdict::Unknown);
+        assert_eq!(validated(std::slice::from_ref(&ok)), Verdict::True);
+        assert_eq!(validated(&[ok, bad]), Verdict::False);
     }
 
     fn gpunode(uid: &str, status: Option<GpuNodeStatus>) -> GpuNode {
@@ -416,7 +402,7 @@ mod tests {
     fn status_is_built_from_the_jobs() {
         let gn = gpunode("u1", None);
         let ok = CheckResult {
-            name: "DriverVersion".parse().unwrap(),
+            name: "DriverVersion".into(),
             passed: true,
             message: String::new(),
         };

@@ -1,0 +1,130 @@
+//! What every reconcile shares: the [`Context`] (client, reflector stores, recorder, metrics,
+//! settings, backoff state) and the field manager the operator writes as. Kept apart from the
+//! controller so the I/O modules that take a `Context` ([`crate::drain`],
+//! [`crate::reclaim_run`]) depend on it, not on the controller that calls them.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpupool_crds::{GpuNode, GpuPool};
+use k8s_openapi::api::core::v1::{Namespace, Node, ObjectReference, Pod};
+use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use kube::api::PartialObjectMeta;
+use kube::core::DeserializeGuard;
+use kube::runtime::events::{Event, Recorder};
+use kube::runtime::reflector::Store;
+use tracing::warn;
+
+use crate::metrics::Metrics;
+/// Field manager for every write.
+pub const FIELD_MANAGER: &str = "gpupool-operator";
+
+/// Operator settings the reconciler needs.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// How often pools with reclaim on are re-examined.
+    pub reclaim_interval: Duration,
+    /// Requeue period when nothing is pending.
+    pub resync: Duration,
+    /// First error backoff.
+    pub backoff_min: Duration,
+    /// Error backoff cap.
+    pub backoff_max: Duration,
+    /// Label selector narrowing the GpuPools this operator manages (sharding, tests).
+    pub pool_selector: Option<String>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            reclaim_interval: Duration::from_secs(30),
+            resync: Duration::from_secs(300),
+            backoff_min: Duration::from_secs(5),
+            backoff_max: Duration::from_secs(300),
+            pool_selector: None,
+        }
+    }
+}
+
+/// What every reconcile shares: the client, the reflector stores, the recorder, metrics.
+pub struct Context {
+    /// API client.
+    pub client: Client,
+    /// A client that does not retry 429s itself: evictions blocked by a PodDisruptionBudget
+    /// answer 429, and the reclaimer retries those on its own schedule instead of stalling the
+    /// reconcile in the client's backoff.
+    pub evict_client: Client,
+    /// GpuPools (as the controller sees them).
+    pub pools: Store<DeserializeGuard<GpuPool>>,
+    /// Nodes, status stripped.
+    pub nodes: Store<Node>,
+    /// GpuNodes.
+    pub gpunodes: Store<GpuNode>,
+    /// Pods, trimmed to what the reclaimer and drain need.
+    pub pods: Store<Pod>,
+    /// Namespaces' metadata.
+    pub namespaces: Store<PartialObjectMeta<Namespace>>,
+    /// Event recorder.
+    pub recorder: Recorder,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Settings.
+    pub settings: Settings,
+    /// Consecutive failures per pool, for the capped error backoff.
+    pub failures: Mutex<HashMap<String, u32>>,
+    /// Per-pod eviction retry state: attempts and when to try next.
+    pub evict_retry: Mutex<HashMap<String, (u32, Timestamp)>>,
+}
+
+impl Context {
+    /// Forgets a pool's failures after a successful reconcile, so its next backoff starts low.
+    pub fn reset_failures(&self, pool: &str) {
+        if let Ok(mut f) = self.failures.lock() {
+            f.remove(pool);
+        }
+    }
+
+    /// The delay before the next try after a failure: min doubling to max.
+    pub fn backoff(&self, pool: &str) -> Duration {
+        let n = match self.failures.lock() {
+            Ok(mut f) => {
+                let n = f.entry(pool.to_owned()).or_insert(0);
+                *n = n.saturating_add(1);
+                *n
+            }
+            Err(_) => 1,
+        };
+        capped_backoff(n, self.settings.backoff_min, self.settings.backoff_max)
+    }
+
+    /// Publishes an Event, logging (never failing on) errors: Events are best effort.
+    pub async fn event(&self, reference: &ObjectReference, ev: Event) {
+        if let Err(e) = self.recorder.publish(&ev, reference).await {
+            warn!(error = %e, reason = %ev.reason, "publishing an Event failed");
+        }
+    }
+}
+
+/// `min × 2^(n-1)`, capped at `max`.
+pub fn capped_backoff(failures: u32, min: Duration, max: Duration) -> Duration {
+    let factor = 2u32.saturating_pow(failures.saturating_sub(1).min(20));
+    min.saturating_mul(factor).min(max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let min = Duration::from_secs(5);
+        let max = Duration::from_secs(300);
+        let got: Vec<u64> = (1..=9)
+            .map(|n| capped_backoff(n, min, max).as_secs())
+            .collect();
+        assert_eq!(got, vec![5, 10, 20, 40, 80, 160, 300, 300, 300]);
+        assert_eq!(capped_backoff(u32::MAX, min, max), max);
+    }
+}
