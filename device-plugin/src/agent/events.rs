@@ -647,16 +647,7 @@ mod tests {
             },
         );
         let mut events = Events::new(recorder);
-        let gn = GpuNode::new(
-            "node-a",
-            gpupool_crds::node::GpuNodeSpec {
-                pool: "p".into(),
-                driver: Default::default(),
-                cdi: Default::default(),
-                mig: Default::default(),
-                utilization: Default::default(),
-            },
-        );
+        let gn = crate::agent::testing::gpunode("node-a");
         let failing = Observed {
             checks: vec![check("CUDAVersion", false, "too old")],
             ..Observed::default()

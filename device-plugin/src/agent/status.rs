@@ -363,16 +363,7 @@ mod tests {
     }
 
     fn gpunode(uid: &str, status: Option<GpuNodeStatus>) -> GpuNode {
-        let mut gn = GpuNode::new(
-            "node-a",
-            gpupool_crds::node::GpuNodeSpec {
-                pool: "p".into(),
-                driver: Default::default(),
-                cdi: Default::default(),
-                mig: Default::default(),
-                utilization: Default::default(),
-            },
-        );
+        let mut gn = crate::agent::testing::gpunode("node-a");
         gn.metadata.uid = Some(uid.into());
         gn.metadata.generation = Some(3);
         gn.status = status;

@@ -23,6 +23,20 @@ pub fn inventory() -> Inventory {
     Inventory::read(&sim).unwrap()
 }
 
+/// A GpuNode named `name` of pool `p`, with default policies.
+pub fn gpunode(name: &str) -> gpupool_crds::GpuNode {
+    gpupool_crds::GpuNode::new(
+        name,
+        gpupool_crds::GpuNodeSpec {
+            pool: "p".into(),
+            driver: Default::default(),
+            cdi: Default::default(),
+            mig: Default::default(),
+            utilization: Default::default(),
+        },
+    )
+}
+
 /// One request the agent must make, and the HTTP status it is answered with (the request body
 /// echoed back on success, a Status on failure).
 pub struct Expect {
