@@ -1,4 +1,4 @@
-//! `gpupool-device-plugin`: the gpupool node agent. Runs on every GPU node; see `agent.rs`.
+//! `gpupool-device-plugin`: the gpupool node agent. Runs on every GPU node; see `agent/mod.rs`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
