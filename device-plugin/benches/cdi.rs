@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use gpupool_crds::node::GpuMigSpec;
 use gpupool_crds::policy::CdiPolicy;
-use gpupool_device_plugin::backend::{GpuBackend, ManualClock, SimBackend};
+use gpupool_device_plugin::backend::{GpuBackend, ManualSimClock, SimBackend};
 use gpupool_device_plugin::cdi::{self, CdiOptions};
 use gpupool_device_plugin::inventory::Inventory;
 use gpupool_device_plugin::mig;
@@ -19,7 +19,7 @@ fn h100_node(mig_devices: bool) -> Result<Inventory, Box<dyn std::error::Error>>
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/h100-8x.yaml");
     // Past the fixture's traces: GPU 0 runs a process for its first 600 s, which would keep
     // its MIG mode change pending.
-    let clock = ManualClock::new();
+    let clock = ManualSimClock::new();
     clock.set(3600.0);
     let backend = SimBackend::from_file(&fixture, Arc::new(clock))?;
     if mig_devices {

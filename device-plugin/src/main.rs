@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
 use gpupool_device_plugin::agent::{Agent, AgentConfig};
 use gpupool_device_plugin::backend::{
-    GpuBackend, NvmlBackend, NvmlOptions, SimBackend, SystemClock,
+    GpuBackend, NvmlBackend, NvmlOptions, SimBackend, SystemSimClock,
 };
 use gpupool_device_plugin::kmsg;
 use gpupool_device_plugin::metrics_http::{self, AgentMetrics};
@@ -112,7 +112,7 @@ fn open_backend(cli: &Cli) -> Result<Arc<dyn GpuBackend>, String> {
                 .fixture
                 .as_deref()
                 .ok_or("--fixture is required with --backend sim")?;
-            SimBackend::from_file(fixture, Arc::new(SystemClock::new()))
+            SimBackend::from_file(fixture, Arc::new(SystemSimClock::new()))
                 .map(|b| Arc::new(b) as Arc<dyn GpuBackend>)
                 .map_err(|e| e.to_string())
         }

@@ -742,13 +742,13 @@ mod tests {
 
     #[test]
     fn observe_reads_persistence_mode_from_the_backend() {
-        use crate::backend::{Fixture, ManualClock, SimBackend};
+        use crate::backend::{Fixture, ManualSimClock, SimBackend};
         let fixture: Fixture = serde_yaml::from_str(
             "driver: {version: \"550.54.15\", cuda: \"12.4\"}\n\
              gpus:\n  - {model: L4, count: 2}\n  - {model: L4, persistence_mode: false}\n",
         )
         .unwrap();
-        let sim = SimBackend::new(fixture, Arc::new(ManualClock::new())).unwrap();
+        let sim = SimBackend::new(fixture, Arc::new(ManualSimClock::new())).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let obs = observe(Ok(&sim), dir.path(), dir.path(), XidObservations::default());
         assert_eq!(

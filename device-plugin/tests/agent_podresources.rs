@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpupool_crds::node::{Activity, PodRef};
-use gpupool_device_plugin::backend::{ManualClock, SimBackend};
+use gpupool_device_plugin::backend::{ManualSimClock, SimBackend};
 use gpupool_device_plugin::inventory::Inventory;
 use gpupool_device_plugin::plugin::api::podresources_v1::pod_resources_lister_server::{
     PodResourcesLister, PodResourcesListerServer,
@@ -127,7 +127,7 @@ async fn maps_devices_to_pods_from_the_kubelet() {
 #[test]
 fn samples_whole_gpus_by_utilization_and_never_calls_unknown_idle() {
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/faults.yaml");
-    let clock = ManualClock::new();
+    let clock = ManualSimClock::new();
     let backend = SimBackend::from_file(&fixture, Arc::new(clock.clone())).unwrap();
     let inv = Inventory::read(&backend).unwrap();
     clock.set(10.0);

@@ -14,7 +14,7 @@ use container_device_interface::cache::{new_cache, with_auto_refresh};
 use container_device_interface::spec_dirs::with_spec_dirs;
 use gpupool_crds::node::GpuMigSpec;
 use gpupool_crds::policy::{CdiDeviceNameStrategy, CdiPolicy};
-use gpupool_device_plugin::backend::{GpuBackend, ManualClock, SimBackend};
+use gpupool_device_plugin::backend::{GpuBackend, ManualSimClock, SimBackend};
 use gpupool_device_plugin::cdi::ldcache::{CacheFlags, LdCache};
 use gpupool_device_plugin::cdi::{
     self, CdiOptions, HostFiles, LibrarySource, MountEdit, ScanReason,
@@ -32,7 +32,7 @@ fn golden_dir() -> PathBuf {
 }
 
 fn sim(fixture: &Path) -> SimBackend {
-    SimBackend::from_file(fixture, Arc::new(ManualClock::new())).expect("fixture loads")
+    SimBackend::from_file(fixture, Arc::new(ManualSimClock::new())).expect("fixture loads")
 }
 
 /// Applies a MIG layout through the planner, as the agent would.

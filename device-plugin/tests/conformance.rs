@@ -15,8 +15,8 @@ use std::time::Duration;
 use gpupool_crds::policy::{DriverCheck, DriverPolicy};
 use gpupool_device_plugin::backend::{
     CiProfileId, ComputeInstanceId, ErrorKind, Fault, FaultKind, GiProfileId, GpuBackend,
-    GpuInstanceId, HealthEventKind, ManualClock, MigMode, MigModeChange, NvmlBackend, NvmlOptions,
-    PcieLink, Placement, SimBackend,
+    GpuInstanceId, HealthEventKind, ManualSimClock, MigMode, MigModeChange, NvmlBackend,
+    NvmlOptions, PcieLink, Placement, SimBackend,
 };
 use gpupool_device_plugin::validate;
 use gpupool_mig_catalog as catalog;
@@ -37,7 +37,7 @@ trait Harness {
 
 struct SimHarness {
     sim: SimBackend,
-    clock: ManualClock,
+    clock: ManualSimClock,
 }
 
 impl Harness for SimHarness {
@@ -106,7 +106,7 @@ fn fixture_path(name: &str) -> PathBuf {
 }
 
 fn sim_harness(fixture: &Path) -> SimHarness {
-    let clock = ManualClock::new();
+    let clock = ManualSimClock::new();
     let sim = SimBackend::from_file(fixture, Arc::new(clock.clone())).unwrap();
     SimHarness { sim, clock }
 }

@@ -302,7 +302,7 @@ impl StatusPublisher {
 mod tests {
     use super::*;
     use crate::agent::advertise::advertisement;
-    use crate::backend::{CiProfileId, GiProfileId, GpuBackend, ManualClock, SimBackend};
+    use crate::backend::{CiProfileId, GiProfileId, GpuBackend, ManualSimClock, SimBackend};
     use crate::plugin::allocate::container_response;
     use crate::plugin::{AllocateOptions, ResourceView, Topology};
     use gpupool_crds::policy::{CdiDeviceNameStrategy, MigStrategy as CrdMigStrategy};
@@ -469,7 +469,7 @@ mod tests {
         let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("fixtures")
             .join("mixed-small.yaml");
-        let sim = SimBackend::from_file(&fixture, Arc::new(ManualClock::new())).unwrap();
+        let sim = SimBackend::from_file(&fixture, Arc::new(ManualSimClock::new())).unwrap();
         let a30 = catalog::model_by_product_name("NVIDIA A30").unwrap();
         for step in catalog::plan_layout(a30, &["1g.6gb", "2g.12gb", "1g.6gb"]).unwrap() {
             let gi = sim

@@ -11,7 +11,7 @@ use serde_json::Value;
 use tokio::task::JoinHandle;
 use tower_test::mock::{self, Handle};
 
-use crate::backend::{ManualClock, SimBackend};
+use crate::backend::{ManualSimClock, SimBackend};
 use crate::inventory::Inventory;
 
 /// An A30 and an L4 (fixtures/mixed-small.yaml), MIG off.
@@ -19,7 +19,7 @@ pub fn inventory() -> Inventory {
     let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("fixtures")
         .join("mixed-small.yaml");
-    let sim = SimBackend::from_file(&fixture, Arc::new(ManualClock::new())).unwrap();
+    let sim = SimBackend::from_file(&fixture, Arc::new(ManualSimClock::new())).unwrap();
     Inventory::read(&sim).unwrap()
 }
 

@@ -14,7 +14,7 @@ mod types;
 
 pub use error::{Error, ErrorKind, Result};
 pub use nvml::{NvmlBackend, NvmlOptions};
-pub use sim::{Clock, Fault, FaultKind, Fixture, ManualClock, SimBackend, SystemClock};
+pub use sim::{Fault, FaultKind, Fixture, ManualSimClock, SimBackend, SimClock, SystemSimClock};
 pub use types::*;
 
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! `SimBackend`: a node of simulated GPUs described by a YAML fixture.
 //!
-//! Time comes from a [`Clock`]; tests use a [`ManualClock`] and move it, so scripted faults and
+//! Time comes from a [`SimClock`]; tests use a [`ManualSimClock`] and move it, so scripted faults and
 //! utilization traces play out without sleeping. Faults can also be injected and cleared at
 //! runtime ([`SimBackend::inject`], [`SimBackend::reset_gpu`]).
 //!
@@ -23,34 +23,36 @@ use gpupool_sim::{EventKey, FaultFixture, Node, SimError, SimState, arch, event_
 
 pub use gpupool_sim::{FaultKind, Fixture};
 
-/// Simulated time: seconds since the simulation started.
-pub trait Clock: Send + Sync {
+/// Simulated time: seconds since the simulation started, read synchronously by the simulator's
+/// scripted faults and utilization traces. (The health monitor's [`crate::plugin::Clock`] is a
+/// different contract: an `Instant` and async timers.)
+pub trait SimClock: Send + Sync {
     /// Seconds since start.
     fn now(&self) -> f64;
 }
 
 /// Real time since construction.
 #[derive(Debug, Clone)]
-pub struct SystemClock {
+pub struct SystemSimClock {
     start: Instant,
 }
 
-impl SystemClock {
+impl SystemSimClock {
     /// Starts at zero now.
-    pub fn new() -> SystemClock {
-        SystemClock {
+    pub fn new() -> SystemSimClock {
+        SystemSimClock {
             start: Instant::now(),
         }
     }
 }
 
-impl Default for SystemClock {
+impl Default for SystemSimClock {
     fn default() -> Self {
-        SystemClock::new()
+        SystemSimClock::new()
     }
 }
 
-impl Clock for SystemClock {
+impl SimClock for SystemSimClock {
     fn now(&self) -> f64 {
         self.start.elapsed().as_secs_f64()
     }
@@ -58,14 +60,14 @@ impl Clock for SystemClock {
 
 /// A clock tests move by hand; clones share the time.
 #[derive(Debug, Clone, Default)]
-pub struct ManualClock {
+pub struct ManualSimClock {
     now: Arc<Mutex<f64>>,
 }
 
-impl ManualClock {
+impl ManualSimClock {
     /// Starts at zero.
-    pub fn new() -> ManualClock {
-        ManualClock::default()
+    pub fn new() -> ManualSimClock {
+        ManualSimClock::default()
     }
 
     fn guard(&self) -> MutexGuard<'_, f64> {
@@ -84,7 +86,7 @@ impl ManualClock {
     }
 }
 
-impl Clock for ManualClock {
+impl SimClock for ManualSimClock {
     fn now(&self) -> f64 {
         *self.guard()
     }
@@ -132,7 +134,7 @@ struct Shared {
     /// Time of the previous `mig_utilization` sample per (GPU, GPU instance).
     gpm_baselines: Mutex<std::collections::BTreeMap<(u32, u32), f64>>,
     changed: Condvar,
-    clock: Arc<dyn Clock>,
+    clock: Arc<dyn SimClock>,
 }
 
 /// Simulated GPUs.
@@ -172,18 +174,18 @@ fn gpu_target(gpu: u32) -> String {
 
 impl SimBackend {
     /// Loads a fixture file; time from `clock`.
-    pub fn from_file(path: &Path, clock: Arc<dyn Clock>) -> Result<SimBackend> {
+    pub fn from_file(path: &Path, clock: Arc<dyn SimClock>) -> Result<SimBackend> {
         let node = Node::load(path).map_err(|e| Error::Fixture(e.to_string()))?;
         Ok(SimBackend::from_node(node, clock))
     }
 
     /// Builds from a parsed fixture; time from `clock`.
-    pub fn new(fixture: Fixture, clock: Arc<dyn Clock>) -> Result<SimBackend> {
+    pub fn new(fixture: Fixture, clock: Arc<dyn SimClock>) -> Result<SimBackend> {
         let node = Node::new(fixture).map_err(|e| Error::Fixture(e.to_string()))?;
         Ok(SimBackend::from_node(node, clock))
     }
 
-    fn from_node(node: Node, clock: Arc<dyn Clock>) -> SimBackend {
+    fn from_node(node: Node, clock: Arc<dyn SimClock>) -> SimBackend {
         let state = SimState::boot(&node);
         SimBackend {
             shared: Arc::new(Shared {

@@ -10,8 +10,8 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn sim(name: &str) -> (SimBackend, ManualClock) {
-    let clock = ManualClock::new();
+fn sim(name: &str) -> (SimBackend, ManualSimClock) {
+    let clock = ManualSimClock::new();
     let sim = SimBackend::from_file(&fixture(name), Arc::new(clock.clone())).unwrap();
     (sim, clock)
 }
@@ -23,7 +23,7 @@ fn every_shipped_fixture_loads() {
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "yaml") {
-            let sim = SimBackend::from_file(&path, Arc::new(ManualClock::new()))
+            let sim = SimBackend::from_file(&path, Arc::new(ManualSimClock::new()))
                 .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             assert!(sim.device_count().unwrap() > 0);
             sim.driver().unwrap();
@@ -40,7 +40,7 @@ fn every_shipped_fixture_loads() {
 fn fixture_errors_are_clear() {
     let bad = |yaml: &str| {
         let fixture: Fixture = serde_yaml::from_str(yaml).unwrap();
-        SimBackend::new(fixture, Arc::new(ManualClock::new()))
+        SimBackend::new(fixture, Arc::new(ManualSimClock::new()))
             .unwrap_err()
             .to_string()
     };
