@@ -12,7 +12,8 @@
 //! (VmHWM); writes per minute in steady state. Without KUBECONFIG it says so and exits.
 //! Environment: `SCALE_NODES` (default 1000), `SCALE_STEADY_SECS` (default 60),
 //! `SCALE_TIMEOUT_SECS` (how long to wait for the reports and for Ready; default 600),
-//! `GPUPOOL_OPERATOR_BIN` (default `$CARGO_TARGET_DIR/debug/gpupool-operator`).
+//! `GPUPOOL_OPERATOR_BIN` (default: built here with `cargo build -p gpupool-operator --bin
+//! gpupool-operator` into `$CARGO_TARGET_DIR/debug/`, never a binary an earlier build left).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -28,6 +29,41 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 
 const LABEL: &str = "bench.gpupool.io/scale";
+
+/// The operator binary: `GPUPOOL_OPERATOR_BIN`, else built now (a no-op when fresh), so the
+/// bench never measures a stale binary or depends on an unrelated earlier build.
+fn operator_binary() -> Result<PathBuf, String> {
+    if let Some(bin) = std::env::var_os("GPUPOOL_OPERATOR_BIN") {
+        return Ok(PathBuf::from(bin));
+    }
+    let manifest_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| manifest_dir.join("../target"));
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .args([
+            "build",
+            "--locked",
+            "-p",
+            "gpupool-operator",
+            "--bin",
+            "gpupool-operator",
+        ])
+        .current_dir(&manifest_dir)
+        .env("CARGO_TARGET_DIR", &target)
+        .stdin(Stdio::null())
+        .status()
+        .map_err(|e| format!("running cargo build for the operator: {e}"))?;
+    if !status.success() {
+        return Err(format!("cargo build -p gpupool-operator failed ({status})"));
+    }
+    let bin = target.join("debug/gpupool-operator");
+    if !bin.is_file() {
+        return Err(format!("{} was not built", bin.display()));
+    }
+    Ok(bin)
+}
 const POOL: &str = "scale-bench";
 const PORT: u16 = 19480;
 
@@ -160,12 +196,7 @@ async fn main() -> BoxResult<()> {
         .try_collect::<Vec<()>>()
         .await?;
 
-    let bin = std::env::var_os("GPUPOOL_OPERATOR_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()))
-                .join("debug/gpupool-operator")
-        });
+    let bin = operator_binary()?;
     let mut op = Command::new(&bin)
         .args([
             "--leader-elect",
