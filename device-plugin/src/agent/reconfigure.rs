@@ -96,15 +96,49 @@ impl MigJob {
     }
 }
 
-/// The GPUs with compute processes on them.
+/// The GPUs a MIG change must wait for, from the backend.
 async fn busy_gpus(backend: &Arc<dyn GpuBackend>, inv: &Inventory) -> BTreeSet<u32> {
     let indices: Vec<u32> = inv.gpus.iter().map(|g| g.device.index).collect();
+    let all = indices.clone();
     blocking(backend, move |b| {
-        indices
-            .into_iter()
-            .filter(|i| b.processes(*i).is_ok_and(|p| !p.is_empty()))
-            .collect()
+        busy_from(indices.into_iter().map(|i| (i, b.processes(i))))
     })
     .await
-    .unwrap_or_default()
+    // The blocking task died: nothing is known, so nothing may be taken as free.
+    .unwrap_or_else(|| all.into_iter().collect())
+}
+
+/// The GPUs a MIG change must wait for: those with compute processes, and those whose process
+/// list could not be read (an unreadable list never passes for an idle GPU).
+fn busy_from<T, E: std::fmt::Display>(
+    lists: impl IntoIterator<Item = (u32, Result<Vec<T>, E>)>,
+) -> BTreeSet<u32> {
+    lists
+        .into_iter()
+        .filter(|(gpu, list)| match list {
+            Ok(processes) => !processes.is_empty(),
+            Err(e) => {
+                // Debug only: this runs every pass, and a lost GPU is reported by health.
+                tracing::debug!(gpu, error = %e, "cannot list compute processes: counted as busy");
+                true
+            }
+        })
+        .map(|(gpu, _)| gpu)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gpu_is_free_only_when_its_process_list_reads_empty() {
+        let lists: Vec<(u32, Result<Vec<u32>, String>)> = vec![
+            (0, Ok(vec![])),
+            (1, Ok(vec![4242])),
+            (2, Err("GPU is lost".into())),
+            (3, Ok(vec![])),
+        ];
+        assert_eq!(busy_from(lists), BTreeSet::from([1, 2]));
+    }
 }
