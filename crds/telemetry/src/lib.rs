@@ -51,7 +51,7 @@ pub enum Error {
     Encode(#[source] std::fmt::Error),
 }
 
-/// A check run on each `/healthz` or `/readyz` request.
+/// A check run on each `/readyz` request.
 pub type Check = Box<dyn Fn() -> bool + Send + Sync>;
 
 /// What the endpoints report.
@@ -62,7 +62,6 @@ pub struct HttpState {
     /// check given to [`HttpState::ready_when`] passes).
     pub ready: AtomicBool,
     readiness: Option<Check>,
-    liveness: Option<Check>,
 }
 
 impl HttpState {
@@ -72,7 +71,6 @@ impl HttpState {
             registry,
             ready: AtomicBool::new(false),
             readiness: None,
-            liveness: None,
         }
     }
 
@@ -83,21 +81,9 @@ impl HttpState {
         self
     }
 
-    /// `/healthz` answers 503 whenever `check` fails, so the kubelet restarts a process that
-    /// runs but no longer works.
-    pub fn live_when(mut self, check: impl Fn() -> bool + Send + Sync + 'static) -> Self {
-        self.liveness = Some(Box::new(check));
-        self
-    }
-
     /// Whether `/readyz` answers 200.
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::Relaxed) || self.readiness.as_ref().is_some_and(|check| check())
-    }
-
-    /// Whether `/healthz` answers 200.
-    pub fn is_live(&self) -> bool {
-        self.liveness.as_ref().is_none_or(|check| check())
     }
 }
 
@@ -138,8 +124,7 @@ fn respond(state: &HttpState, method: &Method, path: &str) -> Response<Full<Byte
                 text(StatusCode::INTERNAL_SERVER_ERROR, "encoding metrics failed")
             }
         },
-        "/healthz" if state.is_live() => text(StatusCode::OK, "ok"),
-        "/healthz" => text(StatusCode::SERVICE_UNAVAILABLE, "not live"),
+        "/healthz" => text(StatusCode::OK, "ok"),
         "/readyz" if state.is_ready() => text(StatusCode::OK, "ok"),
         "/readyz" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready"),
         _ => text(StatusCode::NOT_FOUND, "not found"),
@@ -275,19 +260,17 @@ mod tests {
     }
 
     #[test]
-    fn hooks_decide_readiness_and_liveness() {
+    fn a_hook_decides_readiness() {
         let flag = Arc::new(AtomicU64::new(0));
-        let (r, l) = (flag.clone(), flag.clone());
-        let state = HttpState::new(Registry::default())
-            .ready_when(move || r.load(Ordering::Relaxed) >= 1)
-            .live_when(move || l.load(Ordering::Relaxed) < 2);
+        let r = flag.clone();
+        let state =
+            HttpState::new(Registry::default()).ready_when(move || r.load(Ordering::Relaxed) >= 1);
         let status = |path| respond(&state, &Method::GET, path).status();
         assert_eq!(status("/readyz"), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(status("/healthz"), StatusCode::OK);
         flag.store(1, Ordering::Relaxed);
         assert_eq!(status("/readyz"), StatusCode::OK);
-        flag.store(2, Ordering::Relaxed);
-        assert_eq!(status("/healthz"), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(status("/healthz"), StatusCode::OK);
     }
 
     #[tokio::test]
