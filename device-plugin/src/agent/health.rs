@@ -84,8 +84,11 @@ pub fn spawn_forwarder(
                     break;
                 }
             };
-            let ids = mig_ids.read().map(|m| m.clone()).unwrap_or_default();
-            let (health, xid) = translate(&event, &ids);
+            // Looked up under the read lock (released before awaiting), not copied per event.
+            let (health, xid) = match mig_ids.read() {
+                Ok(ids) => translate(&event, &ids),
+                Err(_) => translate(&event, &MigIds::new()),
+            };
             if let Some(health) = health {
                 let _ = events.send(health).await;
             }

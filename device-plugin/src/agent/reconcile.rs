@@ -214,9 +214,10 @@ impl NodeState {
         inventory: Option<&Result<Inventory, String>>,
         health: &BTreeMap<String, plugin::Health>,
     ) {
+        let mig = self.mig.status();
         let observed = Observed {
             checks: self.validation.checks().to_vec(),
-            mig: Some(self.mig.status()),
+            mig: Some(mig.clone()),
             gpu_health: match inventory {
                 Some(Ok(inv)) => Some(gpu_health(inv, health)),
                 _ => None,
@@ -234,7 +235,7 @@ impl NodeState {
                 pods: &self.sampling.pods,
                 pod_resources: self.sampling.pod_resources.as_ref(),
                 checks: self.validation.checks(),
-                mig: self.mig.status(),
+                mig,
                 cdi: self.cdi.status.clone(),
             },
             &mut self.conditions,
