@@ -21,6 +21,7 @@ pub mod artifacts;
 pub mod cluster;
 pub mod crds;
 pub mod kubectl;
+pub mod kubelet;
 pub mod manifest;
 pub mod scope;
 pub mod tools;

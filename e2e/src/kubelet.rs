@@ -1,0 +1,497 @@
+//! The real-kubelet layer for tests: `e2e/kubelet` brings up one kubelet (node `real-node-0`)
+//! beside the kwok nodes, on the in-memory runtime ([`Runtime::FakeCri`]) or on containerd with
+//! runc ([`Runtime::Containerd`]); [`Agent`] runs our node agent for it as a host process on the
+//! fake NVML. One kubelet per machine: its device-plugin directory is compiled in.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Client;
+use kube::api::{Api, DeleteParams, PostParams};
+use serde_json::{Value, json};
+
+use crate::agent::agent_binaries;
+use crate::wait::poll;
+use crate::{Cluster, TestScope, repo_root};
+
+/// The container runtime under the kubelet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Runtime {
+    /// `e2e/tools/fakecri`: runs nothing, records every CreateContainer.
+    FakeCri,
+    /// containerd with runc and CDI: containers really start.
+    Containerd,
+}
+
+impl Runtime {
+    /// The value `e2e/kubelet` takes in `GPUPOOL_E2E_RUNTIME`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Runtime::FakeCri => "fakecri",
+            Runtime::Containerd => "containerd",
+        }
+    }
+}
+
+pub fn kubelet_script() -> PathBuf {
+    repo_root().join("e2e/kubelet")
+}
+
+/// The cluster's state directory: `e2e/cluster` writes the kubeconfig into it.
+fn cluster_dir(cluster: &Cluster) -> Result<PathBuf> {
+    cluster
+        .kubeconfig()
+        .parent()
+        .map(Path::to_path_buf)
+        .context("the kubeconfig has no parent directory")
+}
+
+fn kubelet_cmd(cluster: &Cluster, runtime: Runtime, args: &[&str]) -> Result<Command> {
+    let mut cmd = Command::new(kubelet_script());
+    cmd.args(args)
+        .env("GPUPOOL_E2E_DIR", cluster_dir(cluster)?)
+        .env("GPUPOOL_E2E_RUNTIME", runtime.name())
+        .stdin(Stdio::null());
+    Ok(cmd)
+}
+
+/// `e2e/kubelet env`, parsed.
+fn kubelet_env(cluster: &Cluster, runtime: Runtime) -> Result<BTreeMap<String, String>> {
+    let out = kubelet_cmd(cluster, runtime, &["env"])?.output()?;
+    ensure!(out.status.success(), "e2e/kubelet env failed");
+    Ok(String::from_utf8(out.stdout)?
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect())
+}
+
+/// The running kubelet; `e2e/kubelet down` on drop, and from a watchdog process if this process
+/// dies without unwinding.
+pub struct RealKubelet {
+    cluster: &'static Cluster,
+    runtime: Runtime,
+    /// The Node's name.
+    pub node: String,
+    /// The kubelet's device-plugin directory (where `kubelet.sock` is).
+    pub device_plugin_dir: PathBuf,
+    /// The PodResources socket.
+    pub pod_resources: PathBuf,
+    /// fakecri's CreateContainer record (JSON lines); absent on containerd.
+    pub record: PathBuf,
+    /// The kubelet's log.
+    pub log: PathBuf,
+    /// `e2e/kubelet`'s state directory.
+    pub state_dir: PathBuf,
+    /// The only directory the runtime reads CDI specs from (containerd).
+    pub cdi_dir: PathBuf,
+}
+
+impl RealKubelet {
+    /// `e2e/kubelet up` on `runtime`.
+    pub fn up(cluster: &'static Cluster, runtime: Runtime) -> Result<RealKubelet> {
+        let watchdog = r#"tail --pid="$1" -f /dev/null; "$2" down"#;
+        let log = repo_root().join(format!(
+            "target/e2e-kubelet-teardown-{}.log",
+            std::process::id()
+        ));
+        fs::create_dir_all(log.parent().context("no parent")?)?;
+        let out = fs::File::create(&log)?;
+        {
+            use std::os::unix::process::CommandExt;
+            Command::new("sh")
+                .arg("-c")
+                .arg(watchdog)
+                .arg("gpupool-e2e-kubelet-teardown")
+                .arg(std::process::id().to_string())
+                .arg(kubelet_script())
+                .env("GPUPOOL_E2E_DIR", cluster_dir(cluster)?)
+                .env("GPUPOOL_E2E_RUNTIME", runtime.name())
+                .stdin(Stdio::null())
+                .stdout(out.try_clone()?)
+                .stderr(out)
+                .process_group(0)
+                .spawn()
+                .context("starting the kubelet teardown watchdog")?;
+        }
+        let status = kubelet_cmd(cluster, runtime, &["up"])?
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .status()?;
+        ensure!(
+            status.success(),
+            "e2e/kubelet up failed ({status}); its output above names the step and the log"
+        );
+        let env = kubelet_env(cluster, runtime)?;
+        let get = |k: &str| -> Result<String> {
+            env.get(k)
+                .cloned()
+                .with_context(|| format!("e2e/kubelet env has no {k}"))
+        };
+        Ok(RealKubelet {
+            cluster,
+            runtime,
+            node: get("KUBELET_NODE")?,
+            device_plugin_dir: get("KUBELET_DEVICE_PLUGIN_DIR")?.into(),
+            pod_resources: get("KUBELET_POD_RESOURCES_SOCKET")?.into(),
+            record: get("KUBELET_CREATE_CONTAINER_RECORD")?.into(),
+            log: get("KUBELET_LOG")?.into(),
+            state_dir: get("KUBELET_STATE_DIR")?.into(),
+            cdi_dir: get("KUBELET_CDI_DIR")?.into(),
+        })
+    }
+
+    /// `e2e/kubelet restart`: the kubelet only.
+    pub fn restart(&self) -> Result<()> {
+        let status = kubelet_cmd(self.cluster, self.runtime, &["restart"])?
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .status()?;
+        ensure!(status.success(), "e2e/kubelet restart failed ({status})");
+        Ok(())
+    }
+
+    /// The kubelet's registration socket.
+    pub fn kubelet_socket(&self) -> PathBuf {
+        self.device_plugin_dir.join("kubelet.sock")
+    }
+
+    /// The kubelet log's length now (for [`RealKubelet::log_since`]).
+    pub fn log_len(&self) -> u64 {
+        fs::metadata(&self.log).map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// The kubelet log from `offset` on.
+    pub fn log_since(&self, offset: u64) -> String {
+        let mut text = String::new();
+        if let Ok(mut f) = fs::File::open(&self.log)
+            && f.seek(SeekFrom::Start(offset)).is_ok()
+        {
+            let _ = f.read_to_string(&mut text);
+        }
+        text
+    }
+
+    /// The CreateContainer records of one pod.
+    /// fakecri's CreateContainer records of one pod.
+    pub fn creates_of(&self, namespace: &str, pod: &str) -> Result<Vec<Value>> {
+        let text = fs::read_to_string(&self.record).unwrap_or_default();
+        let mut out = Vec::new();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let v: Value = serde_json::from_str(line)
+                .with_context(|| format!("a bad line in {}: {line}", self.record.display()))?;
+            if v["podNamespace"] == namespace && v["podName"] == pod {
+                out.push(v);
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for RealKubelet {
+    fn drop(&mut self) {
+        // `down` removes the state directory; keep what explains a failure.
+        let keep = repo_root().join(format!("target/e2e-kubelet-logs/{}", std::process::id()));
+        if fs::create_dir_all(&keep).is_ok() {
+            for f in [
+                "kubelet.log",
+                "fakecri.log",
+                "containerd.log",
+                "create-container.jsonl",
+            ] {
+                let _ = fs::copy(self.state_dir.join(f), keep.join(f));
+            }
+            eprintln!("e2e: kubelet logs kept in {}", keep.display());
+        }
+        match kubelet_cmd(self.cluster, self.runtime, &["down"]).and_then(|mut c| Ok(c.status()?)) {
+            Ok(s) if s.success() => {}
+            other => eprintln!("e2e: e2e/kubelet down: {other:?}"),
+        }
+    }
+}
+
+// --- the agent ---------------------------------------------------------------------------------
+
+/// The agent for `real-node-0`; SIGKILLed on drop.
+pub struct Agent {
+    child: Child,
+    /// The agent's log.
+    pub log: PathBuf,
+    /// The fake NVML's state file.
+    pub state: PathBuf,
+    /// The CDI spec the agent writes.
+    pub cdi_spec: PathBuf,
+    /// The fake NVML's fixture.
+    pub fixture: PathBuf,
+}
+
+impl Agent {
+    /// Starts the agent for `kubelet`'s node with its files in `dir`: the fake NVML answers from
+    /// `setup.fixture` (YAML), the driver root is `setup.driver_root` (built by the caller) and
+    /// the CDI spec goes to `setup.cdi_dir`.
+    pub fn start(
+        dir: &Path,
+        kubelet: &RealKubelet,
+        cluster: &Cluster,
+        setup: &AgentSetup,
+    ) -> Result<Agent> {
+        let (agent, nvml) = agent_binaries(dir)?;
+        let fixture = dir.join("fixture.yaml");
+        fs::write(&fixture, &setup.fixture)?;
+        let driver_root = &setup.driver_root;
+        let kmsg = dir.join("kmsg");
+        fs::write(&kmsg, "")?;
+        let log = dir.join("agent.log");
+        let state = dir.join("nvml-state.json");
+        let out = fs::File::create(&log)?;
+        // The kubelet's device-plugin directory is `<kubelet-dir>/device-plugins`.
+        let kubelet_dir = kubelet
+            .device_plugin_dir
+            .parent()
+            .context("device-plugin dir has no parent")?;
+        let child = Command::new(agent)
+            .arg("--node-name")
+            .arg(&kubelet.node)
+            .arg("--kubelet-dir")
+            .arg(kubelet_dir)
+            .arg("--pod-resources-socket")
+            .arg(&kubelet.pod_resources)
+            .arg("--cdi-dir")
+            .arg(&setup.cdi_dir)
+            .arg("--driver-root")
+            .arg(driver_root)
+            .arg("--proc-root")
+            .arg(driver_root.join("proc"))
+            // An empty kernel log: the host's own /dev/kmsg is not this fake GPU node's.
+            .arg("--kmsg-path")
+            .arg(&kmsg)
+            .args(["--backend", "nvml", "--nvml-lib"])
+            .arg(&nvml)
+            .args([
+                "--metrics-addr",
+                "127.0.0.1:0",
+                "--validate-interval-secs",
+                "2",
+                // The recovery hold-down (5 min by default) is the shipped behaviour; 20 s keeps
+                // step 7 short and still shows that a reset GPU is held back before it returns.
+                "--health-recovery-hold-down-secs",
+                "20",
+            ])
+            .env("GPUPOOL_FAKE_NVML_FIXTURE", &fixture)
+            .env("GPUPOOL_FAKE_NVML_STATE", &state)
+            .env("KUBECONFIG", cluster.kubeconfig())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .context("starting the agent")?;
+        Ok(Agent {
+            child,
+            log,
+            state,
+            cdi_spec: setup.cdi_dir.join("gpupool-nvidia.yaml"),
+            fixture,
+        })
+    }
+
+    /// The agent's log so far.
+    pub fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Read-modify-write of the fake NVML's state file under its lock, as the library does.
+    pub fn update_nvml_state(&self, change: impl FnOnce(&mut Value) -> Result<()>) -> Result<()> {
+        let mut lock_path = self.state.clone().into_os_string();
+        lock_path.push(".lock");
+        let lock = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)?;
+        lock.lock()?;
+        let mut state: Value = serde_json::from_str(&fs::read_to_string(&self.state)?)?;
+        change(&mut state)?;
+        let mut tmp = self.state.clone().into_os_string();
+        tmp.push(".e2e.tmp");
+        fs::write(&tmp, serde_json::to_vec_pretty(&state)?)?;
+        fs::rename(&tmp, &self.state)?;
+        drop(lock);
+        Ok(())
+    }
+
+    /// Injects a fault now (`at: 0` is always in the past of the library's clock).
+    pub fn inject_fault(&self, gpu: u32, fault: Value) -> Result<()> {
+        self.update_nvml_state(|s| {
+            let seq = s["next_seq"].as_u64().unwrap_or(0);
+            s["next_seq"] = json!(seq + 1);
+            let injected = s["injected"]
+                .as_array_mut()
+                .context("state has no injected list")?;
+            injected.push(json!({"seq": seq, "fault": {"at": 0.0, "gpu": gpu, "fault": fault}}));
+            Ok(())
+        })
+    }
+
+    /// A GPU reset: clears every fault injected so far on `gpu`.
+    pub fn reset_gpu(&self, gpu: u32) -> Result<()> {
+        self.update_nvml_state(|s| {
+            let seq = s["next_seq"].as_u64().unwrap_or(0);
+            if !s["clears"].is_object() {
+                s["clears"] = json!({});
+            }
+            s["clears"][gpu.to_string()] = json!({"at": 0.0, "seq": seq});
+            Ok(())
+        })
+    }
+}
+
+/// What an [`Agent`] runs on.
+pub struct AgentSetup {
+    /// The fake NVML's fixture, as YAML.
+    pub fixture: String,
+    /// The driver root (see [`crate::agent::fake_driver_root`]).
+    pub driver_root: PathBuf,
+    /// Where the agent writes its CDI spec.
+    pub cdi_dir: PathBuf,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// --- cluster helpers ---------------------------------------------------------------------------
+
+/// (capacity, allocatable) of `resource` on the Node; absent resources are `None`.
+pub async fn node_resource(
+    client: &Client,
+    node: &str,
+    resource: &str,
+) -> Result<(Option<i64>, Option<i64>)> {
+    let n = Api::<Node>::all(client.clone()).get(node).await?;
+    let status = n.status.unwrap_or_default();
+    let get =
+        |m: Option<&BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>| {
+            m.and_then(|m| m.get(resource))
+                .and_then(|q| q.0.parse::<i64>().ok())
+        };
+    Ok((
+        get(status.capacity.as_ref()),
+        get(status.allocatable.as_ref()),
+    ))
+}
+
+/// Waits until every `(resource, capacity, allocatable)` holds on the Node (`None` = absent).
+pub async fn wait_node_resources(
+    client: &Client,
+    node: &str,
+    what: &str,
+    timeout: Duration,
+    want: &[(&str, Option<i64>, Option<i64>)],
+) -> Result<()> {
+    poll(what, timeout, Duration::from_millis(100), || async move {
+        let mut seen = Vec::new();
+        let mut all = true;
+        for (resource, cap, alloc) in want {
+            let got = node_resource(client, node, resource).await?;
+            all &= got == (*cap, *alloc);
+            seen.push(format!("{resource}={got:?}"));
+        }
+        if all {
+            Ok(Some(()))
+        } else {
+            bail!("node has {}", seen.join(", "))
+        }
+    })
+    .await
+}
+
+/// Creates `pod`, retrying while the namespace's default ServiceAccount is not there yet.
+pub async fn create_pod(client: &Client, scope: &TestScope, pod: &Pod) -> Result<()> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), scope.namespace());
+    // The namespace's default ServiceAccount appears shortly after the namespace.
+    poll(
+        "the pod to be created",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async {
+            match api.create(&PostParams::default(), pod).await {
+                Ok(_) => Ok(Some(())),
+                Err(e) => Err(e.into()),
+            }
+        },
+    )
+    .await
+}
+
+/// Waits until pod `name` satisfies `pred`.
+pub async fn wait_pod(
+    client: &Client,
+    scope: &TestScope,
+    name: &str,
+    what: &str,
+    timeout: Duration,
+    pred: impl Fn(&Pod) -> bool,
+) -> Result<Pod> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), scope.namespace());
+    let pred = &pred;
+    poll(what, timeout, Duration::from_millis(100), || {
+        let api = api.clone();
+        async move {
+            let pod = api.get(name).await?;
+            Ok(pred(&pod).then_some(pod))
+        }
+    })
+    .await
+}
+
+/// The pod's phase ("" before it has one).
+pub fn phase(pod: &Pod) -> &str {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("")
+}
+
+/// Deletes a pod at once and waits until it is gone.
+pub async fn delete_pod_and_wait(client: &Client, scope: &TestScope, name: &str) -> Result<()> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), scope.namespace());
+    api.delete(name, &DeleteParams::default().grace_period(0))
+        .await?;
+    poll(
+        &format!("pod {name} to be gone"),
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || {
+            let api = api.clone();
+            async move { Ok(api.get_opt(name).await?.is_none().then_some(())) }
+        },
+    )
+    .await
+}
+
+/// Whether this layer runs, and why not.
+pub fn skip_reason(runtime: Runtime) -> Option<String> {
+    if std::env::var("GPUPOOL_E2E_KUBELET").as_deref() != Ok("1") {
+        return Some("the real-kubelet layer is opt-in: set GPUPOOL_E2E_KUBELET=1".to_owned());
+    }
+    match Command::new(kubelet_script())
+        .arg("check")
+        .env("GPUPOOL_E2E_RUNTIME", runtime.name())
+        .stdin(Stdio::null())
+        .output()
+    {
+        Ok(out) if out.status.success() => None,
+        Ok(out) => Some(String::from_utf8_lossy(&out.stdout).trim().to_owned()),
+        Err(e) => Some(format!("e2e/kubelet check could not run: {e}")),
+    }
+}
