@@ -12,6 +12,7 @@
 #   GPUPOOL_E2E_KEEP_LOGS  where to copy the component logs when tests fail
 #                          (default <repo>/target/e2e-logs)
 #   GPUPOOL_E2E_KUBELET    1: also build the real-kubelet layer's tools (kubelet, fakecri)
+#                          and the real node's (containerd, CNI plugins, test images)
 #   GPUPOOL_OPERATOR_BIN, GPUPOOL_AGENT_BIN, GPUPOOL_FAKE_NVML_LIB
 #                          prebuilt artifacts; when any is unset, e2e/artifacts.sh builds all
 set -euo pipefail
@@ -49,6 +50,12 @@ say "building or reusing the tools"
 if [[ ${GPUPOOL_E2E_KUBELET:-0} == 1 ]]; then
     # The real-kubelet layer's tools, built here rather than inside the test that needs them.
     "$REPO/e2e/tools/build.sh" kubelet fakecri
+    # The real node's runtime and images, when this machine can run them (`check` says why not;
+    # the node test then skips with the same words).
+    if "$REPO/e2e/tools/node/build.sh" check >&2; then
+        "$REPO/e2e/tools/node/build.sh" bin >/dev/null
+        "$REPO/e2e/tools/node/build.sh" images >/dev/null
+    fi
 fi
 
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$REPO/target}

@@ -157,6 +157,28 @@ impl RealKubelet {
         Ok(())
     }
 
+    /// What a container of a pod wrote to stdout and stderr, from the log file the runtime keeps
+    /// for the kubelet (`<podLogsDir>/<ns>_<pod>_<uid>/<container>/<restart>.log`, CRI format:
+    /// `<time> <stream> <P|F> <text>`, partial lines joined). The API server cannot proxy logs
+    /// here: the kubelet has no resolvable address.
+    pub fn container_log(&self, pod: &Pod, container: &str) -> Result<String> {
+        let meta = &pod.metadata;
+        let (ns, name, uid) = (
+            meta.namespace.as_deref().context("pod without namespace")?,
+            meta.name.as_deref().context("pod without name")?,
+            meta.uid.as_deref().context("pod without uid")?,
+        );
+        let path = self
+            .state_dir
+            .join("pod-logs")
+            .join(format!("{ns}_{name}_{uid}"))
+            .join(container)
+            .join("0.log");
+        let text = fs::read_to_string(&path)
+            .with_context(|| format!("reading container log {}", path.display()))?;
+        Ok(parse_cri_log(&text))
+    }
+
     /// The kubelet's registration socket.
     pub fn kubelet_socket(&self) -> PathBuf {
         self.device_plugin_dir.join("kubelet.sock")
@@ -285,6 +307,12 @@ impl Agent {
             ])
             .env("GPUPOOL_FAKE_NVML_FIXTURE", &fixture)
             .env("GPUPOOL_FAKE_NVML_STATE", &state)
+            .envs(
+                setup
+                    .nvml_dev_dir
+                    .iter()
+                    .map(|d| ("GPUPOOL_FAKE_NVML_DEV_DIR", d.as_os_str())),
+            )
             .env("KUBECONFIG", cluster.kubeconfig())
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -360,6 +388,9 @@ pub struct AgentSetup {
     pub driver_root: PathBuf,
     /// Where the agent writes its CDI spec.
     pub cdi_dir: PathBuf,
+    /// Where the agent's fake NVML looks for `/dev/nvidia<minor>` (`GPUPOOL_FAKE_NVML_DEV_DIR`):
+    /// the driver root's `dev` when its nodes are real, since the host's `/dev` has none.
+    pub nvml_dev_dir: Option<PathBuf>,
 }
 
 impl Drop for Agent {
@@ -493,5 +524,35 @@ pub fn skip_reason(runtime: Runtime) -> Option<String> {
         Ok(out) if out.status.success() => None,
         Ok(out) => Some(String::from_utf8_lossy(&out.stdout).trim().to_owned()),
         Err(e) => Some(format!("e2e/kubelet check could not run: {e}")),
+    }
+}
+
+/// The text of a CRI container log: each line is `<time> <stream> <tag> <text>`, where tag `P`
+/// marks a partial line continued by the next one.
+pub fn parse_cri_log(text: &str) -> String {
+    let mut out = String::new();
+    for line in text.lines() {
+        let mut parts = line.splitn(4, ' ');
+        let (_time, _stream, tag) = (parts.next(), parts.next(), parts.next());
+        let body = parts.next().unwrap_or("");
+        out.push_str(body);
+        if tag != Some("P") {
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cri_log_lines_are_joined_at_partial_tags() {
+        let text = "2026-12-03T12:22:48.1Z stdout F a=1\n\
+                    2026-12-03T12:22:48.2Z stderr P par\n\
+                    2026-12-03T12:22:48.3Z stderr F tial\n\
+                    2026-12-03T12:22:48.4Z stdout F with spaces = x y\n";
+        assert_eq!(parse_cri_log(text), "a=1\npartial\nwith spaces = x y\n");
     }
 }

@@ -271,6 +271,7 @@ async fn real_kubelet_admits_gpu_pods_through_the_plugin() -> Result<()> {
         ),
         driver_root,
         cdi_dir: dir.join("cdi"),
+        nvml_dev_dir: None,
     };
     let agent = Agent::start(&dir, &kubelet, cluster, &setup)?;
 

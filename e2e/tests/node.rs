@@ -1,0 +1,516 @@
+//! A real node: the kubelet on containerd with runc (`e2e/kubelet` with
+//! `GPUPOOL_E2E_RUNTIME=containerd`), our node agent on the fake NVML, and GPU pods that really
+//! start. containerd resolves the CDI names our plugin hands out against the spec our agent
+//! wrote, runc builds the containers, and a probe inside each container reports what it sees
+//! (`e2e/tools/node/images/probe.c` and NVIDIA's Python bindings in `pyprobe.py`).
+//!
+//! The driver root is as a driver install leaves it: real character device nodes, real ELF
+//! libraries carrying their sonames (the fake NVML as `libnvidia-ml.so.<version>`, the fake CUDA
+//! driver as `libcuda.so.<version>`) and an `ld.so.cache`. Inside a container the fake NVML and
+//! fake CUDA count only the GPUs whose `/dev/nvidia<minor>` the container has, as the real driver
+//! does, so a count is a statement about the device nodes the spec gave it.
+//!
+//! One scenario, in order (one kubelet per machine):
+//! 1. capacity: 1 whole GPU and three `1g.10gb` MIG slices;
+//! 2. a pod asking for `nvidia.com/gpu: 1` on a Debian image with no environment of its own:
+//!    exactly that GPU's node and the control nodes; `libcuda.so.1`, `libcuda.so` and
+//!    `libnvidia-ml.so.1` load by soname; CUDA, NVML and nvidia-ml-py count one GPU, the one
+//!    the agent reports the pod on; the driver files are read-only;
+//! 3. the same with a read-only root file system and a non-root user;
+//! 4. an image that sets `LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64` (as
+//!    NVIDIA's CUDA images do): the variable is the image's, unchanged, and the driver loads from
+//!    `/usr/local/nvidia/lib64`;
+//! 5. a pod asking for `nvidia.com/mig-1g.10gb: 1`: the parent GPU's node and that slice's
+//!    `nvidia-caps` nodes, no other GPU;
+//! 6. the CDI spec deleted under the running agent: the agent reports it and writes it again,
+//!    and a new GPU pod starts.
+//!
+//! Opt-in with the rest of the real-kubelet layer (`GPUPOOL_E2E_KUBELET=1`); `e2e/kubelet check`
+//! with the containerd runtime says why it cannot run otherwise.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use gpupool_crds::node::{GpuMigSpec, MigState, NodeMigSpec, UtilizationSpec};
+use gpupool_crds::policy::{DriverPolicy, MigStrategy};
+use gpupool_crds::{GpuNode, GpuNodeSpec};
+use gpupool_e2e::agent::wait_status;
+use gpupool_e2e::kubelet::{
+    Agent, AgentSetup, RealKubelet, Runtime, create_pod, delete_pod_and_wait, phase, skip_reason,
+    wait_node_resources, wait_pod,
+};
+use gpupool_e2e::wait::poll;
+use gpupool_e2e::{Cluster, TestScope, artifacts, crds, repo_root};
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use kube::api::{Api, DeleteParams, PostParams};
+use serde_json::json;
+
+const DRIVER: &str = "550.54.15";
+const GPU: &str = "nvidia.com/gpu";
+const MIG_1G: &str = "nvidia.com/mig-1g.10gb";
+const PROBE: &str = "gpupool.local/e2e/probe:1";
+const PROBE_CUDA_ENV: &str = "gpupool.local/e2e/probe-cuda-env:1";
+/// Where the pods find the fake NVML's fixture and state (a hostPath volume).
+const FAKE_DIR: &str = "/gpupool-fake";
+
+/// The probe's `key=value` lines; repeated keys keep every value.
+#[derive(Debug, Default)]
+struct Probe(BTreeMap<String, Vec<String>>);
+
+impl Probe {
+    fn parse(text: &str) -> Probe {
+        let mut map: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for line in text.lines() {
+            if let Some((k, v)) = line.split_once('=') {
+                map.entry(k.to_owned()).or_default().push(v.to_owned());
+            }
+        }
+        Probe(map)
+    }
+
+    fn one(&self, key: &str) -> Result<&str> {
+        match self.0.get(key).map(Vec::as_slice) {
+            Some([v]) => Ok(v),
+            other => bail!("probe key {key}: want one value, got {other:?}; probe said {self:?}"),
+        }
+    }
+
+    fn all(&self, key: &str) -> Vec<String> {
+        self.0.get(key).cloned().unwrap_or_default()
+    }
+
+    /// `device=/dev/x 195:0` lines as path -> "major:minor".
+    fn devices(&self) -> BTreeMap<String, String> {
+        self.all("device")
+            .iter()
+            .filter_map(|d| d.split_once(' '))
+            .map(|(p, n)| (p.to_owned(), n.to_owned()))
+            .collect()
+    }
+}
+
+/// The driver root for the agent: device nodes, ELF libraries with sonames (the fake NVML and
+/// fake CUDA driver as the driver's `libnvidia-ml` and `libcuda`) and its `ld.so.cache`.
+fn driver_root(root: &Path, gpus: u32) -> Result<()> {
+    let nvml = artifacts::fake_nvml_library()?;
+    let cuda = artifacts::fake_cuda_library()?;
+    let options = gpupool_sim::driver_root::BuildOptions {
+        elf_libraries: true,
+        device_nodes: gpupool_sim::driver_root::DeviceNodes::CharDevices,
+        nvml: Some(nvml),
+        cuda: Some(cuda),
+        ldconfig: true,
+    };
+    gpupool_sim::driver_root::build_with(root, DRIVER, gpus, &options)
+        .with_context(|| format!("building the driver root {}", root.display()))
+}
+
+/// What a probe pod looks like: `image`, asking for `resource` (none for a CPU pod), running the
+/// C probe and the Python one; the fake NVML's files come from a hostPath volume.
+fn probe_pod(
+    scope: &TestScope,
+    name: &str,
+    node: &str,
+    image: &str,
+    resource: Option<&str>,
+    fake_dir: &Path,
+    restricted: bool,
+) -> Result<Pod> {
+    let (k, v) = scope.label();
+    let limits = resource.map(|r| json!({ r: "1" })).unwrap_or(json!({}));
+    let mut security = json!({"allowPrivilegeEscalation": false});
+    if restricted {
+        security = json!({
+            "allowPrivilegeEscalation": false,
+            "readOnlyRootFilesystem": true,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "runAsNonRoot": true,
+            "capabilities": {"drop": ["ALL"]},
+        });
+    }
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": scope.namespace(), "labels": {k: v}},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "tolerations": [{"key": "e2e.gpupool.io/real-kubelet", "operator": "Exists", "effect": "NoSchedule"}],
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 0,
+            "restartPolicy": "Never",
+            "containers": [{
+                "name": "probe",
+                "image": image,
+                "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c", "/probe && python3 /pyprobe.py"],
+                "env": [
+                    {"name": "GPUPOOL_FAKE_NVML_FIXTURE", "value": format!("{FAKE_DIR}/fixture.yaml")},
+                    {"name": "GPUPOOL_FAKE_NVML_STATE", "value": format!("{FAKE_DIR}/nvml-state.json")},
+                ],
+                "resources": {"limits": limits},
+                "securityContext": security,
+                "volumeMounts": [{"name": "fake", "mountPath": FAKE_DIR}],
+            }],
+            "volumes": [{"name": "fake", "hostPath": {"path": fake_dir, "type": "Directory"}}],
+        },
+    }))?)
+}
+
+/// Runs a probe pod to completion and returns what it printed.
+async fn run_probe(
+    client: &Client,
+    scope: &TestScope,
+    kubelet: &RealKubelet,
+    pod: &Pod,
+) -> Result<(Probe, Pod)> {
+    let name = pod.metadata.name.clone().context("pod without name")?;
+    let created = Instant::now();
+    create_pod(client, scope, pod).await?;
+    let done = wait_pod(
+        client,
+        scope,
+        &name,
+        &format!("{name} to run to completion"),
+        Duration::from_secs(120),
+        |p| matches!(phase(p), "Succeeded" | "Failed"),
+    )
+    .await
+    .with_context(|| format!("kubelet log: {}", kubelet.log.display()))?;
+    let log = kubelet.container_log(&done, "probe")?;
+    eprintln!(
+        "e2e: {name} {} after {:.1}s; it printed:\n{log}",
+        phase(&done),
+        created.elapsed().as_secs_f64()
+    );
+    ensure!(
+        phase(&done) == "Succeeded",
+        "{name} ended {}: {:?}",
+        phase(&done),
+        done.status
+    );
+    Ok((Probe::parse(&log), done))
+}
+
+/// The checks every GPU container must pass: the driver loads by soname from read-only files
+/// and CUDA, NVML and nvidia-ml-py count one GPU.
+fn check_driver_loads(probe: &Probe, what: &str) -> Result<()> {
+    for lib in ["libcuda", "libcuda_unversioned", "libnvml"] {
+        ensure!(
+            probe.one(&format!("{lib}_load"))? == "ok",
+            "{what}: {lib} did not load: {probe:?}"
+        );
+        ensure!(
+            probe.one(&format!("{lib}_writable"))?.starts_with("no"),
+            "{what}: the mounted {lib} is writable: {probe:?}"
+        );
+    }
+    ensure!(probe.one("cuInit")? == "0", "{what}: cuInit failed");
+    ensure!(
+        probe.one("cuDeviceGetCount")? == "0 count=1",
+        "{what}: CUDA counts {}, want 1",
+        probe.one("cuDeviceGetCount")?
+    );
+    ensure!(probe.one("nvmlInit")? == "0", "{what}: nvmlInit failed");
+    ensure!(
+        probe.one("nvmlDeviceGetCount")? == "0 count=1",
+        "{what}: NVML counts {}, want 1",
+        probe.one("nvmlDeviceGetCount")?
+    );
+    ensure!(
+        probe.one("pynvml_count")? == "1",
+        "{what}: nvidia-ml-py counts {}, want 1",
+        probe.one("pynvml_count")?
+    );
+    Ok(())
+}
+
+/// The NVIDIA device nodes in the container: exactly `want` (path -> major:minor).
+fn check_devices(probe: &Probe, what: &str, want: &BTreeMap<String, String>) -> Result<()> {
+    let got = probe.devices();
+    ensure!(
+        &got == want,
+        "{what}: device nodes {got:?}, want exactly {want:?}"
+    );
+    ensure!(
+        probe.all("not_a_device").is_empty(),
+        "{what}: NVIDIA paths that are not character devices: {:?}",
+        probe.all("not_a_device")
+    );
+    Ok(())
+}
+
+/// The control nodes every GPU container gets (char 195:255, 195:254, 510:0, 510:1).
+fn control_nodes() -> BTreeMap<String, String> {
+    [
+        ("/dev/nvidiactl", "195:255"),
+        ("/dev/nvidia-modeset", "195:254"),
+        ("/dev/nvidia-uvm", "510:0"),
+        ("/dev/nvidia-uvm-tools", "510:1"),
+    ]
+    .into_iter()
+    .map(|(p, n)| (p.to_owned(), n.to_owned()))
+    .collect()
+}
+
+/// The MIG capability nodes' minors for GPU `gpu`'s GPU instance `gi` and compute instance `ci`,
+/// from the driver root's `mig-minors`.
+fn mig_cap_minors(driver_root: &Path, gpu: u32, gi: u32, ci: u32) -> Result<BTreeSet<String>> {
+    let table = fs::read_to_string(driver_root.join("proc/driver/nvidia-caps/mig-minors"))?;
+    let want = [
+        format!("gpu{gpu}/gi{gi}/access"),
+        format!("gpu{gpu}/gi{gi}/ci{ci}/access"),
+    ];
+    let minors: BTreeSet<String> = table
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(k, _)| want.contains(&k.to_string()))
+        .map(|(_, m)| m.trim().to_owned())
+        .collect();
+    ensure!(minors.len() == 2, "mig-minors lacks {want:?}");
+    Ok(minors)
+}
+
+#[tokio::test]
+async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
+    if let Some(why) = skip_reason(Runtime::Containerd) {
+        eprintln!("e2e: SKIPPED gpu_pods_start_on_containerd_with_our_cdi_spec: {why}");
+        return Ok(());
+    }
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let client = cluster.client().await?;
+    let scope = TestScope::new(cluster, "node")?;
+    let kubelet = RealKubelet::up(cluster, Runtime::Containerd)?;
+    let node = kubelet.node.clone();
+    let dir = repo_root()
+        .join("target/e2e-node-agent")
+        .join(scope.prefix());
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir)?;
+    let driver = dir.join("driver");
+    driver_root(&driver, 2)?;
+
+    // GPU 0 split into three 1g.10gb slices, GPU 1 whole.
+    let gpunodes: Api<GpuNode> = Api::all(client.clone());
+    if gpunodes.get_opt(&node).await?.is_some() {
+        gpunodes.delete(&node, &DeleteParams::default()).await?;
+    }
+    let mut gn = GpuNode::new(
+        &node,
+        GpuNodeSpec {
+            pool: scope.prefix().to_owned(),
+            driver: DriverPolicy {
+                min_version: Some("550".into()),
+                ..DriverPolicy::default()
+            },
+            cdi: Default::default(),
+            mig: NodeMigSpec {
+                strategy: MigStrategy::Mixed,
+                managed: true,
+                layout_name: Some("gpu0-1g".into()),
+                gpus: vec![GpuMigSpec {
+                    index: 0,
+                    enabled: true,
+                    profiles: BTreeMap::from([("1g.10gb".to_owned(), 3)]),
+                }],
+            },
+            utilization: UtilizationSpec {
+                idle_threshold: 5,
+                sample_interval: Duration::from_secs(1).into(),
+            },
+        },
+    );
+    let (k, v) = scope.label();
+    gn.metadata.labels = Some(BTreeMap::from([(k.to_owned(), v.to_owned())]));
+    scope.track_kind("gpunodes.gpupool.io");
+    poll(
+        "the GpuNode to be created",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async { Ok(gpunodes.create(&PostParams::default(), &gn).await.ok().map(|_| ())) },
+    )
+    .await?;
+    let setup = AgentSetup {
+        fixture: format!(
+            "node: {node}\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\n"
+        ),
+        driver_root: driver.clone(),
+        cdi_dir: kubelet.cdi_dir.clone(),
+        nvml_dev_dir: Some(driver.join("dev")),
+    };
+    let agent = Agent::start(&dir, &kubelet, cluster, &setup)?;
+    // The pods' processes (uid 1000 in one) share the fake NVML's state with the agent.
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o777))?;
+
+    // 1. Capacity.
+    let status = wait_status(
+        &client,
+        &node,
+        "MIG Applied on GPU 0",
+        Duration::from_secs(90),
+        |s| {
+            s.mig.state == MigState::Applied
+                && s.gpus.first().is_some_and(|g| g.mig_devices.len() == 3)
+        },
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    wait_node_resources(
+        &client,
+        &node,
+        "1 GPU and 3 × 1g.10gb in allocatable",
+        Duration::from_secs(60),
+        &[(GPU, Some(1), Some(1)), (MIG_1G, Some(3), Some(3))],
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    for f in ["nvml-state.json", "nvml-state.json.lock"] {
+        if let Ok(m) = fs::metadata(dir.join(f)) {
+            let mut p = m.permissions();
+            p.set_mode(0o666);
+            fs::set_permissions(dir.join(f), p)?;
+        }
+    }
+    let status = status.status.unwrap_or_default();
+    let gpu1_uuid = status
+        .gpus
+        .get(1)
+        .map(|g| g.uuid.clone())
+        .context("no GPU 1 in status")?;
+
+    let mut whole = control_nodes();
+    whole.insert("/dev/nvidia1".into(), "195:1".into());
+
+    // 2. A whole GPU on a plain Debian image.
+    let name = scope.name("whole");
+    let pod = probe_pod(&scope, &name, &node, PROBE, Some(GPU), &dir, false)?;
+    let (probe, _) = run_probe(&client, &scope, &kubelet, &pod).await?;
+    check_devices(&probe, &name, &whole)?;
+    check_driver_loads(&probe, &name)?;
+    ensure!(
+        probe.one("ld_library_path")?.is_empty(),
+        "{name}: LD_LIBRARY_PATH was set to {:?}; the image sets none and the spec must not",
+        probe.one("ld_library_path")?
+    );
+    ensure!(
+        probe.all("pynvml_uuid") == [gpu1_uuid.clone()],
+        "{name}: nvidia-ml-py sees {:?}, want [{gpu1_uuid}]",
+        probe.all("pynvml_uuid")
+    );
+    delete_pod_and_wait(&client, &scope, &name).await?;
+
+    // 3. The same, read-only root file system and a non-root user.
+    let name = scope.name("restricted");
+    let pod = probe_pod(&scope, &name, &node, PROBE, Some(GPU), &dir, true)?;
+    let (probe, _) = run_probe(&client, &scope, &kubelet, &pod).await?;
+    ensure!(probe.one("uid")? == "1000", "{name}: not running as 1000");
+    check_devices(&probe, &name, &whole)?;
+    check_driver_loads(&probe, &name)?;
+    delete_pod_and_wait(&client, &scope, &name).await?;
+
+    // 4. An image with NVIDIA's CUDA-image LD_LIBRARY_PATH: kept as the image set it, and the
+    // loader takes the driver from /usr/local/nvidia/lib64.
+    let name = scope.name("cuda-env");
+    let pod = probe_pod(&scope, &name, &node, PROBE_CUDA_ENV, Some(GPU), &dir, false)?;
+    let (probe, _) = run_probe(&client, &scope, &kubelet, &pod).await?;
+    check_driver_loads(&probe, &name)?;
+    ensure!(
+        probe.one("ld_library_path")? == "/usr/local/nvidia/lib:/usr/local/nvidia/lib64",
+        "{name}: the image's LD_LIBRARY_PATH became {:?}",
+        probe.one("ld_library_path")?
+    );
+    for lib in ["libcuda", "libnvml"] {
+        let path = probe.one(&format!("{lib}_path"))?;
+        ensure!(
+            path.starts_with("/usr/local/nvidia/lib64/"),
+            "{name}: {lib} loaded from {path}, want /usr/local/nvidia/lib64 (first in LD_LIBRARY_PATH)"
+        );
+    }
+    delete_pod_and_wait(&client, &scope, &name).await?;
+
+    // 5. A MIG slice: the parent's node and the slice's capability nodes only.
+    let name = scope.name("mig");
+    let pod = probe_pod(&scope, &name, &node, PROBE, Some(MIG_1G), &dir, false)?;
+    create_pod(&client, &scope, &pod).await?;
+    let done = wait_pod(
+        &client,
+        &scope,
+        &name,
+        "the MIG pod to finish",
+        Duration::from_secs(120),
+        |p| matches!(phase(p), "Succeeded" | "Failed"),
+    )
+    .await?;
+    let log = kubelet.container_log(&done, "probe")?;
+    eprintln!("e2e: {name} {}; it printed:\n{log}", phase(&done));
+    ensure!(phase(&done) == "Succeeded", "{name} failed");
+    let probe = Probe::parse(&log);
+    // The slice's capability nodes: one GPU instance's and one of its compute instances'
+    // (mig-minors), of GPU 0.
+    let caps: Vec<(String, String)> = probe
+        .devices()
+        .into_iter()
+        .filter(|(p, _)| p.starts_with("/dev/nvidia-caps/"))
+        .collect();
+    ensure!(
+        caps.len() == 2,
+        "{name}: want the slice's two capability nodes (GPU instance and compute instance), got {caps:?}"
+    );
+    let mut slices = Vec::new();
+    for gi in 0..15 {
+        slices.push(mig_cap_minors(&driver, 0, gi, 0)?);
+    }
+    let got: BTreeSet<String> = caps
+        .iter()
+        .filter_map(|(_, n)| n.split_once(':').map(|(_, m)| m.to_owned()))
+        .collect();
+    ensure!(
+        slices.contains(&got),
+        "{name}: capability minors {got:?} are no slice of GPU 0"
+    );
+    let mut mig = control_nodes();
+    mig.insert("/dev/nvidia0".into(), "195:0".into());
+    for (p, n) in &caps {
+        mig.insert(p.clone(), n.clone());
+    }
+    check_devices(&probe, &name, &mig)?;
+    check_driver_loads(&probe, &name)?;
+    ensure!(
+        probe.all("pynvml_mig_mode") == ["1"],
+        "{name}: nvidia-ml-py sees MIG mode {:?} on the parent, want [1]",
+        probe.all("pynvml_mig_mode")
+    );
+    delete_pod_and_wait(&client, &scope, &name).await?;
+
+    // 6. The spec deleted under the running agent: reported, rewritten, and pods start again.
+    fs::remove_file(&agent.cdi_spec)
+        .with_context(|| format!("removing {}", agent.cdi_spec.display()))?;
+    let removed = Instant::now();
+    poll(
+        "the agent to write the CDI spec again",
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async { Ok(agent.cdi_spec.exists().then_some(())) },
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    eprintln!(
+        "e2e: the agent rewrote the deleted CDI spec after {:.1}s",
+        removed.elapsed().as_secs_f64()
+    );
+    let name = scope.name("after-delete");
+    let pod = probe_pod(&scope, &name, &node, PROBE, Some(GPU), &dir, false)?;
+    let (probe, _) = run_probe(&client, &scope, &kubelet, &pod).await?;
+    check_driver_loads(&probe, &name)?;
+    delete_pod_and_wait(&client, &scope, &name).await?;
+
+    drop(agent);
+    let _ = fs::remove_dir_all(&dir);
+    Ok(())
+}
