@@ -417,12 +417,28 @@ fn link(root: &Path, rel: &str, target: impl AsRef<Path>) {
     symlink(target, path).unwrap();
 }
 
-/// Container paths of the libraries among the mounts.
+/// Paths (as seen from the driver root) of the libraries found, leaving out those the fake
+/// driver root holds beyond the four compute libraries these cache tests are about.
 fn libraries(host: &HostFiles) -> Vec<&str> {
-    host.mounts
+    const ABOUT: [&str; 6] = [
+        "libcuda",
+        "libnvidia-ml",
+        "libnvidia-ptxjitcompiler",
+        "libnvidia-nvvm",
+        "libnvidia-inside",
+        "libnvidia-evil",
+    ];
+    host.libraries
         .iter()
-        .map(|m| m.container_path.as_str())
-        .filter(|p| p.contains(".so."))
+        .map(|l| l.root_path.as_str())
+        .filter(|p| {
+            let stem = p
+                .rsplit('/')
+                .next()
+                .and_then(|n| n.split_once(".so"))
+                .map_or("", |(stem, _)| stem);
+            !p.starts_with(&format!("/{LIBS}/")) || ABOUT.contains(&stem)
+        })
         .collect()
 }
 
@@ -805,21 +821,17 @@ fn cache_and_scan_make_the_same_spec_on_a_plain_root() {
         let root = tmp.path().join("driver");
         driver_root::build(&root, &version, 1).unwrap();
         if with_cache {
-            let libs = [
-                "libcuda",
-                "libnvidia-ml",
-                "libnvidia-ptxjitcompiler",
-                "libnvidia-nvvm",
-            ];
-            let entries: Vec<(CacheFlags, String, String)> = libs
-                .iter()
+            // Every library as ldconfig lists it: by soname through its link, or by its own
+            // name when that is its soname; not the vdpau/ one (ldconfig does not index it).
+            let entries: Vec<(CacheFlags, String, String)> = driver_root::libraries(&version)
+                .into_iter()
+                .filter(|l| !l.rel.contains("/vdpau/"))
                 .map(|l| {
-                    link(
-                        &root,
-                        &format!("{LIBS}/{l}.so.1"),
-                        format!("{l}.so.{version}"),
-                    );
-                    (X86, format!("{l}.so.1"), format!("/{LIBS}/{l}.so.1"))
+                    let (dir, file) = l.rel.rsplit_once('/').unwrap();
+                    if l.soname != file {
+                        link(&root, &format!("{dir}/{}", l.soname), file);
+                    }
+                    (X86, l.soname.clone(), format!("/{dir}/{}", l.soname))
                 })
                 .chain([(
                     X86,
