@@ -10,6 +10,13 @@
 //! resolved inside the root and kept when the file it leads to is `<stem>.so.<driver version>`.
 //! When the cache is missing, unreadable, or names no library of this driver version, the known
 //! library directories are scanned instead; [`HostFiles::library_source`] says which was used.
+//! The `vdpau/` subdirectories, which ldconfig does not index, are scanned either way.
+//!
+//! Stock images find the libraries without hooks and without touching their environment: each
+//! library is mounted at its host path and, under its soname (the cache entry's name, else the
+//! file's `DT_SONAME` read by [`elf`], else [`KNOWN_SONAMES`]), in [`NVIDIA_LIB_DIR`] (on the
+//! `LD_LIBRARY_PATH` of NVIDIA's CUDA images) and in glibc's default directories
+//! `/usr/lib/<multiarch>` and `/usr/lib64` ([`library_aliases`], [`container_mounts`]).
 //!
 //! Security rules (from the container toolkit's CVE-2024-0132, CVE-2025-23266 and
 //! CVE-2025-23267): nothing is read from a container image; every host path is canonical and
@@ -1377,6 +1384,74 @@ mod tests {
         ] {
             assert_eq!(is_driver_library_name(name), ok, "{name}");
         }
+    }
+
+    #[test]
+    fn sonames_must_name_the_same_library() {
+        let file = "libcuda.so.550.54.15";
+        for (soname, ok) in [
+            ("libcuda.so.1", true),
+            ("libcuda.so", true),
+            ("libcuda.so.550.54.15", true),
+            ("libc.so.6", false),
+            ("libcudadebugger.so.1", false),
+            ("libcuda.so1", false),
+            ("../libcuda.so.1", false),
+            ("libcuda.so.1/x", false),
+            ("", false),
+        ] {
+            assert_eq!(is_soname_of(soname, file), ok, "{soname}");
+        }
+        assert_eq!(
+            known_soname("libnvidia-glcore.so.550.54.15").as_deref(),
+            Some("libnvidia-glcore.so.550.54.15")
+        );
+        assert_eq!(known_soname("libnvidia-new.so.550.54.15"), None);
+        assert!(is_driver_library("libnvidia-nvvm70.so.4", "550.54.15"));
+        assert!(!is_driver_library("libnvidia-nvvm70.so.", "550.54.15"));
+        assert!(is_driver_library("libGLX_nvidia.so.550.54.15", "550.54.15"));
+    }
+
+    #[test]
+    fn aliases_per_directory() {
+        let lib = |root_path: &str, soname: Option<&str>, arch| DriverLibrary {
+            host_path: format!("/host{root_path}"),
+            root_path: root_path.to_owned(),
+            soname: soname.map(str::to_owned),
+            soname_source: SonameSource::KnownTable,
+            arch,
+        };
+        assert_eq!(
+            library_aliases(&lib(
+                "/usr/lib64/libcuda.so.1.2",
+                Some("libcuda.so.1"),
+                Some(LibArch::Aarch64)
+            )),
+            [
+                "/usr/local/nvidia/lib64/libcuda.so.1.2",
+                "/usr/local/nvidia/lib64/libcuda.so.1",
+                "/usr/local/nvidia/lib64/libcuda.so",
+                "/usr/lib/aarch64-linux-gnu/libcuda.so.1",
+                "/usr/lib64/libcuda.so.1",
+            ]
+        );
+        // Architecture unknown: no multiarch directory.
+        assert_eq!(
+            library_aliases(&lib(
+                "/opt/lib/libnvidia-ml.so.1.2",
+                Some("libnvidia-ml.so.1"),
+                None
+            )),
+            [
+                "/usr/local/nvidia/lib64/libnvidia-ml.so.1.2",
+                "/usr/local/nvidia/lib64/libnvidia-ml.so.1",
+                "/usr/lib64/libnvidia-ml.so.1",
+            ]
+        );
+        assert_eq!(
+            library_aliases(&lib("/usr/lib64/libnvidia-x.so.1.2", None, None)),
+            ["/usr/local/nvidia/lib64/libnvidia-x.so.1.2"]
+        );
     }
 
     #[test]
