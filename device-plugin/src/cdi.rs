@@ -10,6 +10,13 @@
 //! resolved inside the root and kept when the file it leads to is `<stem>.so.<driver version>`.
 //! When the cache is missing, unreadable, or names no library of this driver version, the known
 //! library directories are scanned instead; [`HostFiles::library_source`] says which was used.
+//! The `vdpau/` subdirectories, which ldconfig does not index, are scanned either way.
+//!
+//! Stock images find the libraries without hooks and without touching their environment: each
+//! library is mounted at its host path and, under its soname (the cache entry's name, else the
+//! file's `DT_SONAME` read by [`elf`], else [`KNOWN_SONAMES`]), in [`NVIDIA_LIB_DIR`] (on the
+//! `LD_LIBRARY_PATH` of NVIDIA's CUDA images) and in glibc's default directories
+//! `/usr/lib/<multiarch>` and `/usr/lib64` ([`library_aliases`], [`container_mounts`]).
 //!
 //! Security rules (from the container toolkit's CVE-2024-0132, CVE-2025-23266 and
 //! CVE-2025-23267): nothing is read from a container image; every host path is canonical and
@@ -30,6 +37,7 @@ use sha2::{Digest, Sha256};
 use crate::inventory::Inventory;
 use crate::plugin::CdiKind;
 
+pub mod elf;
 pub mod ldcache;
 
 use ldcache::{CacheFlags, LdCache};
@@ -60,13 +68,15 @@ const LIBRARY_DIRS: [&str; 7] = [
     "usr/lib",
 ];
 
-/// Driver binaries mounted when present.
-const BINARIES: [&str; 5] = [
+/// Driver binaries mounted when present (executables only, as nvidia-ctk does).
+const BINARIES: [&str; 7] = [
     "usr/bin/nvidia-smi",
     "usr/bin/nvidia-debugdump",
     "usr/bin/nvidia-persistenced",
     "usr/bin/nvidia-cuda-mps-control",
     "usr/bin/nvidia-cuda-mps-server",
+    "usr/bin/nvidia-imex",
+    "usr/bin/nvidia-imex-ctl",
 ];
 
 /// IPC sockets of the driver's daemons, mounted when present.
@@ -75,15 +85,145 @@ const IPC_SOCKETS: [&str; 2] = [
     "run/nvidia-fabricmanager/socket",
 ];
 
-/// Library name stems that belong to the driver (`<stem>.so.<driver version>`).
-const LIBRARY_STEMS: [&str; 6] = [
+/// Directories mounted whole when present: the MPS control daemon's pipe directory, which MPS
+/// clients in the container need.
+const IPC_DIRS: [&str; 1] = ["tmp/nvidia-mps"];
+
+/// Configuration files of the graphics and compute loaders (glvnd EGL, EGL external platforms,
+/// Vulkan, OpenCL, OptiX): where each is looked for under the driver root, first found wins, and
+/// where the container sees it. Vulkan's go to `/etc/vulkan`, a directory every Vulkan loader
+/// reads, as nvidia-ctk places them; the others keep their host path.
+const CONFIG_FILES: [(&[&str], Option<&str>); 9] = [
+    (
+        &[
+            "etc/glvnd/egl_vendor.d/10_nvidia.json",
+            "usr/share/glvnd/egl_vendor.d/10_nvidia.json",
+        ],
+        None,
+    ),
+    (
+        &[
+            "etc/egl/egl_external_platform.d/15_nvidia_gbm.json",
+            "usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json",
+        ],
+        None,
+    ),
+    (
+        &[
+            "etc/egl/egl_external_platform.d/10_nvidia_wayland.json",
+            "usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json",
+        ],
+        None,
+    ),
+    (
+        &["etc/nvidia/nvoptix.bin", "usr/share/nvidia/nvoptix.bin"],
+        None,
+    ),
+    (
+        &[
+            "etc/vulkan/icd.d/nvidia_icd.json",
+            "usr/share/vulkan/icd.d/nvidia_icd.json",
+        ],
+        Some("/etc/vulkan/icd.d/nvidia_icd.json"),
+    ),
+    (
+        &[
+            "etc/vulkan/icd.d/nvidia_layers.json",
+            "usr/share/vulkan/icd.d/nvidia_layers.json",
+        ],
+        Some("/etc/vulkan/icd.d/nvidia_layers.json"),
+    ),
+    (
+        &[
+            "etc/vulkan/implicit_layer.d/nvidia_layers.json",
+            "usr/share/vulkan/implicit_layer.d/nvidia_layers.json",
+        ],
+        Some("/etc/vulkan/implicit_layer.d/nvidia_layers.json"),
+    ),
+    (&["etc/OpenCL/vendors/nvidia.icd"], None),
+    (
+        &[
+            "etc/X11/xorg.conf.d/10-nvidia.conf",
+            "usr/share/X11/xorg.conf.d/10-nvidia.conf",
+        ],
+        None,
+    ),
+];
+
+/// Library name stems that belong to the driver (`<stem>.so.<driver version>`); a stem ending
+/// in `-` is a prefix.
+const LIBRARY_STEMS: [&str; 10] = [
     "libcuda",
     "libcudadebugger",
     "libnvcuvid",
     "libnvoptix",
     "libnvidia-",
-    "libnvidia-ml",
+    "libGLX_nvidia",
+    "libEGL_nvidia",
+    "libGLESv2_nvidia",
+    "libGLESv1_CM_nvidia",
+    "libvdpau_nvidia",
 ];
+
+/// Driver libraries not named by the driver version: `<prefix><number>` (the NVVM of CUDA
+/// 11, which nvidia-ctk also mounts).
+const LEGACY_LIBRARIES: [&str; 1] = ["libnvidia-nvvm70.so."];
+
+/// Sonames of the driver's libraries, used when neither the ld.so.cache nor the file's
+/// `DT_SONAME` gives one.
+pub const KNOWN_SONAMES: [(&str, &str); 20] = [
+    ("libcuda", "libcuda.so.1"),
+    ("libcudadebugger", "libcudadebugger.so.1"),
+    ("libnvidia-ml", "libnvidia-ml.so.1"),
+    ("libnvidia-ptxjitcompiler", "libnvidia-ptxjitcompiler.so.1"),
+    ("libnvidia-nvvm", "libnvidia-nvvm.so.4"),
+    ("libnvidia-opencl", "libnvidia-opencl.so.1"),
+    ("libnvidia-cfg", "libnvidia-cfg.so.1"),
+    ("libnvidia-allocator", "libnvidia-allocator.so.1"),
+    ("libnvidia-fbc", "libnvidia-fbc.so.1"),
+    ("libnvcuvid", "libnvcuvid.so.1"),
+    ("libnvidia-encode", "libnvidia-encode.so.1"),
+    ("libnvidia-opticalflow", "libnvidia-opticalflow.so.1"),
+    ("libnvoptix", "libnvoptix.so.1"),
+    ("libGLX_nvidia", "libGLX_nvidia.so.0"),
+    ("libEGL_nvidia", "libEGL_nvidia.so.0"),
+    ("libGLESv2_nvidia", "libGLESv2_nvidia.so.2"),
+    ("libGLESv1_CM_nvidia", "libGLESv1_CM_nvidia.so.1"),
+    ("libvdpau_nvidia", "libvdpau_nvidia.so.1"),
+    ("libnvidia-nvvm70", "libnvidia-nvvm70.so.4"),
+    ("libnvidia-vksc-core", "libnvidia-vksc-core.so.1"),
+];
+
+/// Driver libraries whose soname is their own versioned file name (`<stem>.so.<version>`):
+/// other driver libraries ask for them by that name.
+pub const SELF_NAMED_STEMS: [&str; 11] = [
+    "libnvidia-glcore",
+    "libnvidia-tls",
+    "libnvidia-glsi",
+    "libnvidia-eglcore",
+    "libnvidia-glvkspirv",
+    "libnvidia-rtcore",
+    "libnvidia-gpucomp",
+    "libnvidia-pkcs11",
+    "libnvidia-pkcs11-openssl3",
+    "libnvidia-cbl",
+    "libnvidia-compiler",
+];
+
+/// The directory NVIDIA's CUDA images (and images built on them, such as pytorch's) list in
+/// `LD_LIBRARY_PATH` and in `/etc/ld.so.conf.d/nvidia.conf`; every driver library is also
+/// mounted here under its file name and soname.
+pub const NVIDIA_LIB_DIR: &str = "/usr/local/nvidia/lib64";
+
+/// Libraries that also get their unversioned development name (`<stem>.so`) in
+/// [`NVIDIA_LIB_DIR`]: programs that link against them at run time (Triton's `-lcuda`) need it.
+const DEV_NAMES: [&str; 2] = ["libcuda", "libnvidia-opticalflow"];
+
+/// Environment the spec sets. `LD_LIBRARY_PATH` is deliberately not among it: CDI replaces a
+/// variable the image already sets, which would drop the image's own entries.
+/// `TRITON_LIBCUDA_PATH` is read only by Triton (torch.compile), which otherwise looks for
+/// libcuda through `ldconfig -p` (the image's cache, which has no driver) and `LD_LIBRARY_PATH`.
+pub const TRITON_LIBCUDA_ENV: &str = "TRITON_LIBCUDA_PATH";
 
 /// What can go wrong making or writing the spec.
 #[derive(Debug, thiserror::Error)]
@@ -234,12 +374,85 @@ pub struct MountEdit {
 pub struct HostFiles {
     /// Container path (`/dev/…`) → canonical host path, for device nodes that exist.
     pub nodes: BTreeMap<String, String>,
-    /// Driver files to mount, sorted by container path.
+    /// Driver files other than libraries to mount (binaries, firmware, configuration files,
+    /// IPC sockets and directories), sorted by container path.
     pub mounts: Vec<MountEdit>,
+    /// The driver's libraries, sorted by host path; [`container_mounts`] gives each its
+    /// container paths.
+    pub libraries: Vec<DriverLibrary>,
     /// Paths left out because they resolve outside the driver root.
     pub rejected: Vec<String>,
-    /// Where the libraries among `mounts` were found.
+    /// Where the libraries were found.
     pub library_source: LibrarySource,
+}
+
+/// One driver library file and the names the container's loader will ask for.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct DriverLibrary {
+    /// Canonical path on the host, inside the driver root.
+    pub host_path: String,
+    /// The same path as seen from the driver root (`/usr/lib/x86_64-linux-gnu/libcuda.so.V`).
+    pub root_path: String,
+    /// Its soname, when one is known (see [`SonameSource`]).
+    pub soname: Option<String>,
+    /// Where the soname came from.
+    pub soname_source: SonameSource,
+    /// Its architecture, which picks the multiarch directory; `None` when unknown.
+    pub arch: Option<LibArch>,
+}
+
+/// Where a library's soname came from, in the order they are tried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SonameSource {
+    /// The name of the ld.so.cache entry that leads to the file.
+    LdCache,
+    /// The file's `DT_SONAME`.
+    Elf,
+    /// [`KNOWN_SONAMES`] or [`SELF_NAMED_STEMS`].
+    KnownTable,
+    /// None of them: the library is mounted under its file name only.
+    Unknown,
+}
+
+/// Architecture of a driver library, for the Debian multiarch directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LibArch {
+    /// x86-64.
+    X86_64,
+    /// AArch64.
+    Aarch64,
+}
+
+impl LibArch {
+    /// The multiarch triple (`/usr/lib/<triple>`).
+    pub fn triple(self) -> &'static str {
+        match self {
+            LibArch::X86_64 => "x86_64-linux-gnu",
+            LibArch::Aarch64 => "aarch64-linux-gnu",
+        }
+    }
+
+    fn from_machine(machine: u16) -> Option<LibArch> {
+        match machine {
+            elf::EM_X86_64 => Some(LibArch::X86_64),
+            elf::EM_AARCH64 => Some(LibArch::Aarch64),
+            _ => None,
+        }
+    }
+
+    fn from_flags(flags: CacheFlags) -> Option<LibArch> {
+        match flags {
+            CacheFlags::X86_64_LIBC6 => Some(LibArch::X86_64),
+            CacheFlags::AARCH64_LIBC6 => Some(LibArch::Aarch64),
+            _ => None,
+        }
+    }
+
+    fn from_path(path: &str) -> Option<LibArch> {
+        [LibArch::X86_64, LibArch::Aarch64]
+            .into_iter()
+            .find(|a| path.split('/').any(|c| c == a.triple()))
+    }
 }
 
 /// Where the driver's user-space libraries were found.
@@ -346,10 +559,17 @@ fn is_driver_stem(stem: &str) -> bool {
     })
 }
 
-/// A driver library file of this driver version: `<stem>.so.<version>`.
+/// A driver library file of this driver version (`<stem>.so.<version>`) or a legacy one
+/// ([`LEGACY_LIBRARIES`]).
 fn is_driver_library(name: &str, version: &str) -> bool {
-    name.strip_suffix(&format!(".so.{version}"))
-        .is_some_and(is_driver_stem)
+    let legacy = LEGACY_LIBRARIES.iter().any(|prefix| {
+        name.strip_prefix(prefix)
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    });
+    legacy
+        || name
+            .strip_suffix(&format!(".so.{version}"))
+            .is_some_and(is_driver_stem)
 }
 
 /// A name a driver library may be asked for, of any version: `<stem>.so` or `<stem>.so.<…>`.
@@ -419,18 +639,26 @@ pub fn discover_host_files_for_arch(
     }
 
     let mut mounts: BTreeMap<String, String> = BTreeMap::new();
-    let mut add = |files: &mut HostFiles, rel: String| match resolve(&root, &rel, &root) {
-        Resolved::Inside(real) if real.is_file() || is_socket(&real) => {
-            mounts.insert(format!("/{rel}"), real.to_string_lossy().into_owned());
+    let mut add = |files: &mut HostFiles, rel: &str, container: Option<&str>| match resolve(
+        &root, rel, &root,
+    ) {
+        Resolved::Inside(real) if real.is_file() || is_socket(&real) || is_ipc_dir(rel, &real) => {
+            let container = container.map_or_else(|| format!("/{rel}"), str::to_owned);
+            mounts.insert(container, real.to_string_lossy().into_owned());
+            true
         }
-        Resolved::Outside(real) => reject(files, &rel, &real.to_string_lossy()),
-        _ => {}
+        Resolved::Outside(real) => {
+            reject(files, rel, &real.to_string_lossy());
+            false
+        }
+        _ => false,
     };
-    for rel in find_libraries(&root, driver_version, arch, &mut files) {
-        add(&mut files, rel);
-    }
     for bin in BINARIES {
-        add(&mut files, bin.to_owned());
+        if resolve(&root, bin, &root).is_executable() {
+            add(&mut files, bin, None);
+        } else {
+            add_if_outside(&root, &mut files, bin);
+        }
     }
     let firmware = format!("lib/firmware/nvidia/{driver_version}");
     if let Ok(entries) = fs::read_dir(root.join(&firmware)) {
@@ -441,11 +669,18 @@ pub fn discover_host_files_for_arch(
             .collect();
         names.sort();
         for name in names {
-            add(&mut files, format!("{firmware}/{name}"));
+            add(&mut files, &format!("{firmware}/{name}"), None);
         }
     }
-    for socket in IPC_SOCKETS {
-        add(&mut files, socket.to_owned());
+    for (candidates, container) in CONFIG_FILES {
+        for rel in candidates {
+            if add(&mut files, rel, container) {
+                break;
+            }
+        }
+    }
+    for socket in IPC_SOCKETS.iter().chain(&IPC_DIRS) {
+        add(&mut files, socket, None);
     }
     files.mounts = mounts
         .into_iter()
@@ -454,17 +689,135 @@ pub fn discover_host_files_for_arch(
             container_path,
         })
         .collect();
+    let found = find_libraries(&root, driver_version, arch, &mut files);
+    for (rel, cache_name) in found {
+        match resolve(&root, &rel, &root) {
+            Resolved::Inside(real) if real.is_file() => {
+                let library = describe_library(&rel, &real, cache_name, arch);
+                files.libraries.push(library);
+            }
+            Resolved::Outside(real) => reject(&mut files, &rel, &real.to_string_lossy()),
+            _ => {}
+        }
+    }
+    files.libraries.sort();
     Ok(files)
 }
 
-/// The driver libraries to mount, as paths relative to the canonical `root`: from the
-/// ld.so.cache when it can be used, else from the directory scan. Sets `files.library_source`.
+impl Resolved {
+    fn is_executable(&self) -> bool {
+        use std::os::unix::fs::PermissionsExt;
+        matches!(self, Resolved::Inside(real)
+            if fs::metadata(real).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+    }
+}
+
+/// Records `rel` as rejected when it resolves outside the root (a binary that is not mounted
+/// because it is not executable is otherwise simply absent).
+fn add_if_outside(root: &Path, files: &mut HostFiles, rel: &str) {
+    if let Resolved::Outside(real) = resolve(root, rel, root) {
+        reject(files, rel, &real.to_string_lossy());
+    }
+}
+
+/// Only the IPC directories are mounted as directories.
+fn is_ipc_dir(rel: &str, real: &Path) -> bool {
+    IPC_DIRS.contains(&rel) && real.is_dir()
+}
+
+/// A library found under the root (`rel`, with the ld.so.cache entry name that led to it, if
+/// any), with its soname and architecture.
+fn describe_library(
+    rel: &str,
+    real: &Path,
+    cache_name: Option<String>,
+    arch: Option<CacheFlags>,
+) -> DriverLibrary {
+    let file_name = rel.rsplit('/').next().unwrap_or(rel);
+    let elf = match elf::read(real) {
+        Ok(info) => Some(info),
+        Err(e) => {
+            tracing::debug!(error = %e, "driver library not readable as ELF");
+            None
+        }
+    };
+    let usable = |name: &String| {
+        let ok = is_soname_of(name, file_name);
+        if !ok {
+            tracing::warn!(library = rel, soname = %name, "soname does not name this library; ignored");
+        }
+        ok
+    };
+    let (soname, soname_source) = if let Some(name) = cache_name.filter(usable) {
+        (Some(name), SonameSource::LdCache)
+    } else if let Some(name) = elf.as_ref().and_then(|e| e.soname.clone()).filter(usable) {
+        (Some(name), SonameSource::Elf)
+    } else if let Some(name) = known_soname(file_name) {
+        (Some(name), SonameSource::KnownTable)
+    } else {
+        tracing::info!(
+            library = rel,
+            "no soname known: mounted under its file name only"
+        );
+        (None, SonameSource::Unknown)
+    };
+    let arch = elf
+        .and_then(|e| LibArch::from_machine(e.machine))
+        .or_else(|| LibArch::from_path(rel))
+        .or_else(|| arch.and_then(LibArch::from_flags));
+    DriverLibrary {
+        host_path: real.to_string_lossy().into_owned(),
+        root_path: format!("/{rel}"),
+        soname,
+        soname_source,
+        arch,
+    }
+}
+
+/// The library's stem: `libcuda` for `libcuda.so.550.54.15`.
+fn library_stem(file_name: &str) -> Option<&str> {
+    file_name.split_once(".so").map(|(stem, _)| stem)
+}
+
+/// Whether `soname` may stand for the library file `file_name`: a plain file name of the same
+/// stem (`libcuda.so.1` for `libcuda.so.550.54.15`). The name comes from files under the
+/// driver root and is joined into container paths, so nothing else is accepted.
+fn is_soname_of(soname: &str, file_name: &str) -> bool {
+    let plain = !soname.is_empty()
+        && soname.len() <= 255
+        && !soname.contains(['/', '\0'])
+        && soname != "."
+        && soname != "..";
+    plain
+        && library_stem(file_name).is_some_and(|stem| {
+            soname
+                .strip_prefix(stem)
+                .and_then(|rest| rest.strip_prefix(".so"))
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+        })
+}
+
+/// The soname [`KNOWN_SONAMES`] or [`SELF_NAMED_STEMS`] give a library file.
+fn known_soname(file_name: &str) -> Option<String> {
+    let stem = library_stem(file_name)?;
+    if let Some((_, soname)) = KNOWN_SONAMES.iter().find(|(s, _)| *s == stem) {
+        return Some((*soname).to_owned());
+    }
+    SELF_NAMED_STEMS
+        .contains(&stem)
+        .then(|| file_name.to_owned())
+}
+
+/// The driver libraries to mount, as paths relative to the canonical `root`, each with the
+/// name of the ld.so.cache entry that led to it: from the ld.so.cache when it can be used, else
+/// from the directory scan; then the `vdpau/` subdirectories, which ldconfig does not index.
+/// Sets `files.library_source`.
 fn find_libraries(
     root: &Path,
     version: &str,
     arch: Option<CacheFlags>,
     files: &mut HostFiles,
-) -> Vec<String> {
+) -> BTreeMap<String, Option<String>> {
     let reason = match arch {
         None => ScanReason::UnknownArchitecture,
         Some(flags) => match libraries_from_ldcache(root, version, flags, files) {
@@ -474,6 +827,10 @@ fn find_libraries(
                     "driver libraries found through ld.so.cache"
                 );
                 files.library_source = LibrarySource::LdCache;
+                let mut libraries = libraries;
+                for rel in scan_library_dirs(root, version, arch, "/vdpau") {
+                    libraries.entry(rel).or_insert(None);
+                }
                 return libraries;
             }
             Err(reason) => reason,
@@ -486,19 +843,24 @@ fn find_libraries(
         _ => tracing::debug!(reason = %reason, "scanning library directories"),
     }
     files.library_source = LibrarySource::DirectoryScan(reason);
-    scan_library_dirs(root, version, arch)
+    scan_library_dirs(root, version, arch, "")
+        .into_iter()
+        .chain(scan_library_dirs(root, version, arch, "/vdpau"))
+        .map(|rel| (rel, None))
+        .collect()
 }
 
 /// The library files of this driver version that the root's ld.so.cache leads to, for
-/// libraries of `flags`. Each entry's path is taken relative to the root; one that climbs out
-/// with `..` or resolves outside the root is rejected, one that leads to a file not named
+/// libraries of `flags`, each with the name of the first cache entry (in ldconfig's order)
+/// that leads to it. Each entry's path is taken relative to the root; one that climbs out with
+/// `..` or resolves outside the root is rejected, one that leads to a file not named
 /// `<stem>.so.<version>` (another driver's) is skipped.
 fn libraries_from_ldcache(
     root: &Path,
     version: &str,
     flags: CacheFlags,
     files: &mut HostFiles,
-) -> Result<Vec<String>, ScanReason> {
+) -> Result<BTreeMap<String, Option<String>>, ScanReason> {
     let real = match resolve(root, ldcache::CACHE_PATH, root) {
         Resolved::Missing => return Err(ScanReason::CacheMissing),
         Resolved::Outside(real) => {
@@ -514,11 +876,11 @@ fn libraries_from_ldcache(
         )));
     }
     let cache = LdCache::read(&real).map_err(|e| ScanReason::CacheUnreadable(e.to_string()))?;
-    let mut libraries = BTreeSet::new();
+    let mut libraries = BTreeMap::new();
     for entry in cache.for_flags(flags) {
-        if !entry.name_str().is_some_and(is_driver_library_name) {
+        let Some(name) = entry.name_str().filter(|n| is_driver_library_name(n)) else {
             continue;
-        }
+        };
         let shown = entry.path.to_string_lossy();
         let Some(path) = entry
             .path
@@ -547,7 +909,9 @@ fn libraries_from_ldcache(
                 // `real` is inside `root` (checked by resolve), so the prefix always strips.
                 let rel = real.strip_prefix(root).ok().and_then(|r| r.to_str());
                 if let (true, Some(rel)) = (wanted && real.is_file(), rel) {
-                    libraries.insert(rel.to_owned());
+                    libraries
+                        .entry(rel.to_owned())
+                        .or_insert_with(|| Some(name.to_owned()));
                 }
             }
             Resolved::Outside(real) => reject(files, path, &real.to_string_lossy()),
@@ -558,14 +922,20 @@ fn libraries_from_ldcache(
     if libraries.is_empty() {
         Err(ScanReason::NoDriverLibraries)
     } else {
-        Ok(libraries.into_iter().collect())
+        Ok(libraries)
     }
 }
 
-/// The library files of this driver version in the known library directories, as paths
-/// relative to `root`. With a known `arch`, the multiarch directory of the other architecture
-/// is left out: a container could not load those libraries.
-fn scan_library_dirs(root: &Path, version: &str, arch: Option<CacheFlags>) -> Vec<String> {
+/// The library files of this driver version in the known library directories (each with
+/// `suffix` appended, e.g. `/vdpau`), as paths relative to `root`. With a known `arch`, the
+/// multiarch directory of the other architecture is left out: a container could not load those
+/// libraries.
+fn scan_library_dirs(
+    root: &Path,
+    version: &str,
+    arch: Option<CacheFlags>,
+    suffix: &str,
+) -> Vec<String> {
     let foreign = match arch {
         Some(CacheFlags::X86_64_LIBC6) => Some("aarch64-linux-gnu"),
         Some(CacheFlags::AARCH64_LIBC6) => Some("x86_64-linux-gnu"),
@@ -576,7 +946,9 @@ fn scan_library_dirs(root: &Path, version: &str, arch: Option<CacheFlags>) -> Ve
         if foreign.is_some_and(|triple| dir.ends_with(triple)) {
             continue;
         }
-        let Ok(entries) = fs::read_dir(root.join(dir)) else {
+        let dir = format!("{dir}{suffix}");
+        // Each file found is resolved inside the root before it is used.
+        let Ok(entries) = fs::read_dir(root.join(&dir)) else {
             continue;
         };
         let mut names: Vec<String> = entries
@@ -595,6 +967,85 @@ fn is_socket(path: &Path) -> bool {
     fs::metadata(path).is_ok_and(|m| m.file_type().is_socket())
 }
 
+/// The container paths of a driver library besides its host path: its file name and soname
+/// in [`NVIDIA_LIB_DIR`] (plus `<stem>.so` for [`DEV_NAMES`]), and its soname in the default
+/// directories of glibc's loader, `/usr/lib/<multiarch>` and `/usr/lib64`. A library in a
+/// `vdpau/` directory (loaded by libvdpau from its module directory, not by the loader's
+/// search) gets its soname in the `vdpau/` subdirectory of those two instead.
+pub fn library_aliases(library: &DriverLibrary) -> Vec<String> {
+    let Some((dir, file_name)) = library.root_path.rsplit_once('/') else {
+        return Vec::new();
+    };
+    let mut paths = Vec::new();
+    let vdpau = dir.ends_with("/vdpau");
+    if !vdpau {
+        paths.push(format!("{NVIDIA_LIB_DIR}/{file_name}"));
+    }
+    let Some(soname) = &library.soname else {
+        return paths;
+    };
+    let sub = if vdpau { "/vdpau" } else { "" };
+    if !vdpau {
+        paths.push(format!("{NVIDIA_LIB_DIR}/{soname}"));
+        if let Some(stem) = library_stem(file_name).filter(|s| DEV_NAMES.contains(s)) {
+            paths.push(format!("{NVIDIA_LIB_DIR}/{stem}.so"));
+        }
+    }
+    if let Some(arch) = library.arch {
+        paths.push(format!("/usr/lib/{}{sub}/{soname}", arch.triple()));
+    }
+    paths.push(format!("/usr/lib64{sub}/{soname}"));
+    paths
+}
+
+/// Every mount of the spec, and the container paths two host files competed for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MountPlan {
+    /// Mounts, sorted by container path; no container path twice.
+    pub mounts: Vec<MountEdit>,
+    /// `<container path>: <host path kept> over <host path left out>`, one per conflict.
+    pub conflicts: Vec<String>,
+}
+
+/// The spec's mounts from the host files: every file at its host path, then each library's
+/// [`library_aliases`]. A container path is claimed once: host paths first (a real file is
+/// never shadowed by another library's alias), then aliases in library order (sorted by host
+/// path), so the same host files always give the same winner. Pure.
+pub fn container_mounts(host: &HostFiles) -> MountPlan {
+    let mut claimed: BTreeMap<String, String> = BTreeMap::new();
+    let mut conflicts = Vec::new();
+    let mut claim = |container: &str, host_path: &str| match claimed.get(container) {
+        Some(kept) if kept != host_path => {
+            conflicts.push(format!("{container}: {kept} over {host_path}"));
+        }
+        Some(_) => {}
+        None => {
+            claimed.insert(container.to_owned(), host_path.to_owned());
+        }
+    };
+    for m in &host.mounts {
+        claim(&m.container_path, &m.host_path);
+    }
+    for library in &host.libraries {
+        claim(&library.root_path, &library.host_path);
+    }
+    for library in &host.libraries {
+        for alias in library_aliases(library) {
+            claim(&alias, &library.host_path);
+        }
+    }
+    MountPlan {
+        mounts: claimed
+            .into_iter()
+            .map(|(container_path, host_path)| MountEdit {
+                host_path,
+                container_path,
+            })
+            .collect(),
+        conflicts,
+    }
+}
+
 /// The generated spec and what it names.
 #[derive(Debug, Clone)]
 pub struct GeneratedSpec {
@@ -604,6 +1055,8 @@ pub struct GeneratedSpec {
     pub device_names: Vec<String>,
     /// Devices left out, and why (missing device node or capability minor).
     pub skipped: Vec<String>,
+    /// Container paths two host files competed for (see [`MountPlan::conflicts`]).
+    pub mount_conflicts: Vec<String>,
 }
 
 fn node_edit(container: &str, host: &str) -> serde_json::Value {
@@ -686,7 +1139,20 @@ pub fn cdi_spec(
         .iter()
         .filter_map(|n| host.nodes.get(*n).map(|h| node_edit(n, h)))
         .collect();
-    let mounts: Vec<serde_json::Value> = host
+    let plan = container_mounts(host);
+    let libcuda_dev_name = format!("{NVIDIA_LIB_DIR}/libcuda.so");
+    let mut env = vec![
+        // Keeps a legacy nvidia-container-runtime hook from injecting devices a second time.
+        "NVIDIA_VISIBLE_DEVICES=void".to_owned(),
+    ];
+    if plan
+        .mounts
+        .iter()
+        .any(|m| m.container_path == libcuda_dev_name)
+    {
+        env.push(format!("{TRITON_LIBCUDA_ENV}={NVIDIA_LIB_DIR}"));
+    }
+    let mounts: Vec<serde_json::Value> = plan
         .mounts
         .iter()
         .map(|m| {
@@ -698,8 +1164,7 @@ pub fn cdi_spec(
         })
         .collect();
     let mut edits = json!({
-        // Keeps a legacy nvidia-container-runtime hook from injecting devices a second time.
-        "env": ["NVIDIA_VISIBLE_DEVICES=void"],
+        "env": env,
         "deviceNodes": control,
     });
     if !mounts.is_empty() {
@@ -722,6 +1187,7 @@ pub fn cdi_spec(
         spec,
         device_names: names,
         skipped,
+        mount_conflicts: plan.conflicts,
     })
 }
 
@@ -855,7 +1321,16 @@ pub fn generate_and_write(
     let content = render(&generated.spec)?;
     let written = write_spec(spec_dir, &content)?;
     if written.changed {
-        tracing::info!(source = %host.library_source, "driver libraries for the CDI spec found");
+        let without_soname = host.libraries.iter().filter(|l| l.soname.is_none()).count();
+        tracing::info!(
+            source = %host.library_source,
+            libraries = host.libraries.len(),
+            without_soname,
+            "driver libraries for the CDI spec found"
+        );
+        for conflict in &generated.mount_conflicts {
+            tracing::warn!(conflict = %conflict, "two driver files for one container path; the first kept");
+        }
     }
     Ok(SpecOutcome {
         written,
@@ -909,6 +1384,74 @@ mod tests {
         ] {
             assert_eq!(is_driver_library_name(name), ok, "{name}");
         }
+    }
+
+    #[test]
+    fn sonames_must_name_the_same_library() {
+        let file = "libcuda.so.550.54.15";
+        for (soname, ok) in [
+            ("libcuda.so.1", true),
+            ("libcuda.so", true),
+            ("libcuda.so.550.54.15", true),
+            ("libc.so.6", false),
+            ("libcudadebugger.so.1", false),
+            ("libcuda.so1", false),
+            ("../libcuda.so.1", false),
+            ("libcuda.so.1/x", false),
+            ("", false),
+        ] {
+            assert_eq!(is_soname_of(soname, file), ok, "{soname}");
+        }
+        assert_eq!(
+            known_soname("libnvidia-glcore.so.550.54.15").as_deref(),
+            Some("libnvidia-glcore.so.550.54.15")
+        );
+        assert_eq!(known_soname("libnvidia-new.so.550.54.15"), None);
+        assert!(is_driver_library("libnvidia-nvvm70.so.4", "550.54.15"));
+        assert!(!is_driver_library("libnvidia-nvvm70.so.", "550.54.15"));
+        assert!(is_driver_library("libGLX_nvidia.so.550.54.15", "550.54.15"));
+    }
+
+    #[test]
+    fn aliases_per_directory() {
+        let lib = |root_path: &str, soname: Option<&str>, arch| DriverLibrary {
+            host_path: format!("/host{root_path}"),
+            root_path: root_path.to_owned(),
+            soname: soname.map(str::to_owned),
+            soname_source: SonameSource::KnownTable,
+            arch,
+        };
+        assert_eq!(
+            library_aliases(&lib(
+                "/usr/lib64/libcuda.so.1.2",
+                Some("libcuda.so.1"),
+                Some(LibArch::Aarch64)
+            )),
+            [
+                "/usr/local/nvidia/lib64/libcuda.so.1.2",
+                "/usr/local/nvidia/lib64/libcuda.so.1",
+                "/usr/local/nvidia/lib64/libcuda.so",
+                "/usr/lib/aarch64-linux-gnu/libcuda.so.1",
+                "/usr/lib64/libcuda.so.1",
+            ]
+        );
+        // Architecture unknown: no multiarch directory.
+        assert_eq!(
+            library_aliases(&lib(
+                "/opt/lib/libnvidia-ml.so.1.2",
+                Some("libnvidia-ml.so.1"),
+                None
+            )),
+            [
+                "/usr/local/nvidia/lib64/libnvidia-ml.so.1.2",
+                "/usr/local/nvidia/lib64/libnvidia-ml.so.1",
+                "/usr/lib64/libnvidia-ml.so.1",
+            ]
+        );
+        assert_eq!(
+            library_aliases(&lib("/usr/lib64/libnvidia-x.so.1.2", None, None)),
+            ["/usr/local/nvidia/lib64/libnvidia-x.so.1.2"]
+        );
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //!
 //! Regenerate the golden files with `GPUPOOL_UPDATE_GOLDEN=1 cargo test -p gpupool-device-plugin --test cdi`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::os::unix::fs::{PermissionsExt, symlink};
 use std::path::{Path, PathBuf};
@@ -17,7 +17,7 @@ use gpupool_crds::policy::{CdiDeviceNameStrategy, CdiPolicy};
 use gpupool_device_plugin::backend::{GpuBackend, ManualSimClock, SimBackend};
 use gpupool_device_plugin::cdi::ldcache::{CacheFlags, LdCache};
 use gpupool_device_plugin::cdi::{
-    self, CdiOptions, HostFiles, LibrarySource, MountEdit, ScanReason,
+    self, CdiOptions, HostFiles, LibrarySource, MountEdit, ScanReason, SonameSource,
 };
 use gpupool_device_plugin::inventory::Inventory;
 use gpupool_device_plugin::mig;
@@ -417,12 +417,28 @@ fn link(root: &Path, rel: &str, target: impl AsRef<Path>) {
     symlink(target, path).unwrap();
 }
 
-/// Container paths of the libraries among the mounts.
+/// Paths (as seen from the driver root) of the libraries found, leaving out those the fake
+/// driver root holds beyond the four compute libraries these cache tests are about.
 fn libraries(host: &HostFiles) -> Vec<&str> {
-    host.mounts
+    const ABOUT: [&str; 6] = [
+        "libcuda",
+        "libnvidia-ml",
+        "libnvidia-ptxjitcompiler",
+        "libnvidia-nvvm",
+        "libnvidia-inside",
+        "libnvidia-evil",
+    ];
+    host.libraries
         .iter()
-        .map(|m| m.container_path.as_str())
-        .filter(|p| p.contains(".so."))
+        .map(|l| l.root_path.as_str())
+        .filter(|p| {
+            let stem = p
+                .rsplit('/')
+                .next()
+                .and_then(|n| n.split_once(".so"))
+                .map_or("", |(stem, _)| stem);
+            !p.starts_with(&format!("/{LIBS}/")) || ABOUT.contains(&stem)
+        })
         .collect()
 }
 
@@ -805,21 +821,17 @@ fn cache_and_scan_make_the_same_spec_on_a_plain_root() {
         let root = tmp.path().join("driver");
         driver_root::build(&root, &version, 1).unwrap();
         if with_cache {
-            let libs = [
-                "libcuda",
-                "libnvidia-ml",
-                "libnvidia-ptxjitcompiler",
-                "libnvidia-nvvm",
-            ];
-            let entries: Vec<(CacheFlags, String, String)> = libs
-                .iter()
+            // Every library as ldconfig lists it: by soname through its link, or by its own
+            // name when that is its soname; not the vdpau/ one (ldconfig does not index it).
+            let entries: Vec<(CacheFlags, String, String)> = driver_root::libraries(&version)
+                .into_iter()
+                .filter(|l| !l.rel.contains("/vdpau/"))
                 .map(|l| {
-                    link(
-                        &root,
-                        &format!("{LIBS}/{l}.so.1"),
-                        format!("{l}.so.{version}"),
-                    );
-                    (X86, format!("{l}.so.1"), format!("/{LIBS}/{l}.so.1"))
+                    let (dir, file) = l.rel.rsplit_once('/').unwrap();
+                    if l.soname != file {
+                        link(&root, &format!("{dir}/{}", l.soname), file);
+                    }
+                    (X86, l.soname.clone(), format!("/{dir}/{}", l.soname))
                 })
                 .chain([(
                     X86,
@@ -861,4 +873,403 @@ fn cache_and_scan_make_the_same_spec_on_a_plain_root() {
         assert_eq!(scan, cache);
         assert!(check_golden("rtx4090", cache));
     }
+}
+
+/// The spec's mounts as (container path, host path with the root replaced by `/DRIVER_ROOT`).
+fn spec_mounts(text: &str) -> Vec<(String, String)> {
+    let spec: serde_yaml::Value = serde_yaml::from_str(text).unwrap();
+    spec["containerEdits"]["mounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["containerPath"].as_str().unwrap().to_owned(),
+                m["hostPath"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+fn spec_env(text: &str) -> Vec<String> {
+    let spec: serde_yaml::Value = serde_yaml::from_str(text).unwrap();
+    spec["containerEdits"]["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn h200() -> Inventory {
+    Inventory::read(&sim(&fixtures_dir().join("h200-1x.yaml"))).unwrap()
+}
+
+#[test]
+fn every_library_is_mounted_at_its_soname_in_every_target_directory() {
+    let inv = h200();
+    let version = inv.driver.driver_version.clone();
+    let tmp = tempfile::tempdir().unwrap();
+    let (text, _, _) = generate(&inv, tmp.path());
+    let mounts: BTreeMap<String, String> = spec_mounts(&text).into_iter().collect();
+    let libraries = driver_root::libraries(&version);
+    assert!(libraries.len() >= 25, "{libraries:?}");
+    for lib in &libraries {
+        let (dir, file) = lib.rel.rsplit_once('/').unwrap();
+        let host = format!("/DRIVER_ROOT/{}", lib.rel);
+        let mut want = vec![format!("/{}", lib.rel)];
+        if dir.ends_with("/vdpau") {
+            want.push(format!("/usr/lib/x86_64-linux-gnu/vdpau/{}", lib.soname));
+            want.push(format!("/usr/lib64/vdpau/{}", lib.soname));
+        } else {
+            want.push(format!("{}/{file}", cdi::NVIDIA_LIB_DIR));
+            want.push(format!("{}/{}", cdi::NVIDIA_LIB_DIR, lib.soname));
+            want.push(format!("/usr/lib/x86_64-linux-gnu/{}", lib.soname));
+            want.push(format!("/usr/lib64/{}", lib.soname));
+        }
+        for path in want {
+            assert_eq!(mounts.get(&path), Some(&host), "{path} for {}", lib.rel);
+        }
+    }
+    // The development names Triton and optical-flow users link against.
+    for stem in ["libcuda", "libnvidia-opticalflow"] {
+        assert_eq!(
+            mounts.get(&format!("{}/{stem}.so", cdi::NVIDIA_LIB_DIR)),
+            Some(&format!("/DRIVER_ROOT/{LIBS}/{stem}.so.{version}")),
+            "{stem}.so"
+        );
+    }
+    assert!(!mounts.contains_key(&format!("{}/libnvidia-ml.so", cdi::NVIDIA_LIB_DIR)));
+    // The library of another driver version is still left out, under every name.
+    assert!(!text.contains("libnvidia-ml.so.1.0.0"), "{text}");
+}
+
+#[test]
+fn fake_driver_root_sonames_match_the_known_table() {
+    // Without a cache or ELF files the generator falls back to its table; the fake root's
+    // sonames (carried by its ELF files and links) must be the same, or tests would disagree
+    // with the e2e layer.
+    let version = "550.54.15";
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("driver");
+    driver_root::build(&root, version, 1).unwrap();
+    let host = cdi::discover_host_files_for_arch(&root, version, &[], Some(X86)).unwrap();
+    let found: BTreeMap<&str, (Option<&str>, SonameSource)> = host
+        .libraries
+        .iter()
+        .map(|l| (l.root_path.as_str(), (l.soname.as_deref(), l.soname_source)))
+        .collect();
+    for lib in driver_root::libraries(version) {
+        let path = format!("/{}", lib.rel);
+        assert_eq!(
+            found.get(path.as_str()),
+            Some(&(Some(lib.soname.as_str()), SonameSource::KnownTable)),
+            "{path}"
+        );
+    }
+}
+
+fn have_cc() -> bool {
+    std::process::Command::new("cc")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Compiles an empty shared object with `soname` at `path`.
+fn cc_shared(path: &Path, soname: &str) {
+    let src = path.with_extension("c");
+    fs::write(&src, "int x;\n").unwrap();
+    let status = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-nostdlib"])
+        .arg(format!("-Wl,-soname,{soname}"))
+        .arg("-o")
+        .arg(path)
+        .arg(&src)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    fs::remove_file(src).unwrap();
+}
+
+#[test]
+fn soname_is_read_from_the_elf_file_when_the_cache_has_none() {
+    if !have_cc() {
+        eprintln!("skipped: no C compiler (cc) to build an ELF shared object");
+        return;
+    }
+    let version = "550.54.15";
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("driver");
+    driver_root::build(&root, version, 1).unwrap();
+    // A soname the table does not have: only the ELF file can give it.
+    let nvvm = root.join(format!("{LIBS}/libnvidia-nvvm.so.{version}"));
+    cc_shared(&nvvm, "libnvidia-nvvm.so.5");
+    let info = cdi::elf::read(&nvvm).unwrap();
+    assert_eq!(info.soname.as_deref(), Some("libnvidia-nvvm.so.5"));
+    assert_eq!(
+        info.machine == cdi::elf::EM_X86_64,
+        cfg!(target_arch = "x86_64")
+    );
+    // An ELF file naming another library's soname is not believed.
+    let cuda = root.join(format!("{LIBS}/libcuda.so.{version}"));
+    cc_shared(&cuda, "libc.so.6");
+
+    let host = cdi::discover_host_files_for_arch(&root, version, &[], Some(X86)).unwrap();
+    let by_path = |p: &str| {
+        host.libraries
+            .iter()
+            .find(|l| l.root_path == format!("/{LIBS}/{p}"))
+            .unwrap()
+    };
+    let nvvm = by_path(&format!("libnvidia-nvvm.so.{version}"));
+    assert_eq!(nvvm.soname.as_deref(), Some("libnvidia-nvvm.so.5"));
+    assert_eq!(nvvm.soname_source, SonameSource::Elf);
+    let cuda = by_path(&format!("libcuda.so.{version}"));
+    assert_eq!(cuda.soname.as_deref(), Some("libcuda.so.1"));
+    assert_eq!(cuda.soname_source, SonameSource::KnownTable);
+    let plan = cdi::container_mounts(&host);
+    let paths: Vec<&str> = plan
+        .mounts
+        .iter()
+        .map(|m| m.container_path.as_str())
+        .collect();
+    assert!(
+        paths.contains(&"/usr/lib64/libnvidia-nvvm.so.5"),
+        "{paths:?}"
+    );
+    assert!(
+        !paths.iter().any(|p| p.ends_with("/libc.so.6")),
+        "{paths:?}"
+    );
+}
+
+#[test]
+fn malformed_elf_falls_back_to_the_table_and_unknown_libraries_keep_their_file_name() {
+    let version = "550.54.15";
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("driver");
+    driver_root::build(&root, version, 1).unwrap();
+    // An ELF header that claims program headers far past the end of the file.
+    let mut bad = b"\x7fELF\x02\x01\x01".to_vec();
+    bad.resize(64, 0xff);
+    fs::write(root.join(format!("{LIBS}/libcuda.so.{version}")), &bad).unwrap();
+    assert!(cdi::elf::read(&root.join(format!("{LIBS}/libcuda.so.{version}"))).is_err());
+    // A driver library no table knows, not ELF: mounted under its file name only.
+    write_file(&root, &format!("{LIBS}/libnvidia-future.so.{version}"), "");
+
+    let host = cdi::discover_host_files_for_arch(&root, version, &[], Some(X86)).unwrap();
+    let plan = cdi::container_mounts(&host);
+    let paths: BTreeSet<&str> = plan
+        .mounts
+        .iter()
+        .map(|m| m.container_path.as_str())
+        .collect();
+    assert!(paths.contains("/usr/lib64/libcuda.so.1"));
+    assert!(paths.contains("/usr/local/nvidia/lib64/libcuda.so"));
+    let future = host
+        .libraries
+        .iter()
+        .find(|l| l.root_path.contains("libnvidia-future"))
+        .unwrap();
+    assert_eq!(
+        (future.soname.as_deref(), future.soname_source),
+        (None, SonameSource::Unknown)
+    );
+    let future_paths: Vec<&str> = paths
+        .iter()
+        .copied()
+        .filter(|p| p.contains("libnvidia-future"))
+        .collect();
+    assert_eq!(
+        future_paths,
+        [
+            format!("/usr/lib/x86_64-linux-gnu/libnvidia-future.so.{version}"),
+            format!("/usr/local/nvidia/lib64/libnvidia-future.so.{version}"),
+        ]
+    );
+}
+
+#[test]
+fn no_container_path_twice_and_a_deterministic_winner() {
+    let inv = h200();
+    let version = inv.driver.driver_version.clone();
+    let mut texts = Vec::new();
+    for _ in 0..2 {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("driver");
+        driver_root::build(&root, &version, 1).unwrap();
+        // The same library in a second directory: both claim the same soname paths.
+        write_file(&root, &format!("usr/lib64/libcuda.so.{version}"), "second");
+        let spec_dir = tmp.path().join("cdi");
+        let host = cdi::discover_host_files(&root, &version, &[]).unwrap();
+        let plan = cdi::container_mounts(&host);
+        let first = fs::canonicalize(root.join(format!("{LIBS}/libcuda.so.{version}"))).unwrap();
+        let winner = plan
+            .mounts
+            .iter()
+            .find(|m| m.container_path == "/usr/local/nvidia/lib64/libcuda.so.1")
+            .unwrap();
+        assert_eq!(Path::new(&winner.host_path), first);
+        assert!(
+            plan.conflicts
+                .iter()
+                .any(|c| c.starts_with("/usr/local/nvidia/lib64/libcuda.so.1: ")),
+            "{:?}",
+            plan.conflicts
+        );
+        // Each file keeps its own host path, whoever wins the aliases.
+        let second = plan
+            .mounts
+            .iter()
+            .find(|m| m.container_path == format!("/usr/lib64/libcuda.so.{version}"))
+            .unwrap();
+        assert!(
+            second
+                .host_path
+                .ends_with("usr/lib64/libcuda.so.570.133.20"),
+            "{second:?}"
+        );
+        let outcome = cdi::generate_and_write(&inv, &root, &spec_dir, &options()).unwrap();
+        let text = fs::read_to_string(&outcome.written.path).unwrap();
+        let canonical_root = fs::canonicalize(&root).unwrap();
+        texts.push(text.replace(&canonical_root.display().to_string(), "/DRIVER_ROOT"));
+    }
+    assert_eq!(texts[0], texts[1]);
+    let mounts = spec_mounts(&texts[0]);
+    let unique: BTreeSet<&String> = mounts.iter().map(|(c, _)| c).collect();
+    assert_eq!(unique.len(), mounts.len());
+}
+
+#[test]
+fn every_golden_spec_has_unique_container_paths_and_leaves_ld_library_path_alone() {
+    let mut checked = 0;
+    for entry in fs::read_dir(golden_dir()).unwrap() {
+        let text = fs::read_to_string(entry.unwrap().path()).unwrap();
+        let mounts = spec_mounts(&text);
+        let unique: BTreeSet<&String> = mounts.iter().map(|(c, _)| c).collect();
+        assert_eq!(unique.len(), mounts.len());
+        let env = spec_env(&text);
+        assert!(
+            !env.iter().any(|e| e.starts_with("LD_LIBRARY_PATH=")),
+            "{env:?}"
+        );
+        assert!(!env.iter().any(|e| e.starts_with("LD_PRELOAD=")), "{env:?}");
+        assert!(
+            env.contains(&format!("TRITON_LIBCUDA_PATH={}", cdi::NVIDIA_LIB_DIR)),
+            "{env:?}"
+        );
+        assert!(!text.contains("hooks"));
+        checked += 1;
+    }
+    assert!(checked >= 9);
+}
+
+#[test]
+fn graphics_loader_configs_firmware_imex_and_mps_are_mounted() {
+    let inv = h200();
+    let version = inv.driver.driver_version.clone();
+    let tmp = tempfile::tempdir().unwrap();
+    let (text, _, _) = generate(&inv, tmp.path());
+    let mounts: BTreeMap<String, String> = spec_mounts(&text).into_iter().collect();
+    for (container, host) in [
+        (
+            "/usr/share/glvnd/egl_vendor.d/10_nvidia.json".to_owned(),
+            "/DRIVER_ROOT/usr/share/glvnd/egl_vendor.d/10_nvidia.json".to_owned(),
+        ),
+        (
+            "/etc/vulkan/icd.d/nvidia_icd.json".to_owned(),
+            "/DRIVER_ROOT/usr/share/vulkan/icd.d/nvidia_icd.json".to_owned(),
+        ),
+        (
+            "/etc/vulkan/implicit_layer.d/nvidia_layers.json".to_owned(),
+            "/DRIVER_ROOT/usr/share/vulkan/implicit_layer.d/nvidia_layers.json".to_owned(),
+        ),
+        (
+            "/etc/OpenCL/vendors/nvidia.icd".to_owned(),
+            "/DRIVER_ROOT/etc/OpenCL/vendors/nvidia.icd".to_owned(),
+        ),
+        (
+            "/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json".to_owned(),
+            "/DRIVER_ROOT/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json".to_owned(),
+        ),
+        (
+            format!("/lib/firmware/nvidia/{version}/gsp_tu10x.bin"),
+            format!("/DRIVER_ROOT/lib/firmware/nvidia/{version}/gsp_tu10x.bin"),
+        ),
+        (
+            "/usr/bin/nvidia-imex".to_owned(),
+            "/DRIVER_ROOT/usr/bin/nvidia-imex".to_owned(),
+        ),
+        (
+            "/usr/bin/nvidia-imex-ctl".to_owned(),
+            "/DRIVER_ROOT/usr/bin/nvidia-imex-ctl".to_owned(),
+        ),
+        (
+            "/tmp/nvidia-mps".to_owned(),
+            "/DRIVER_ROOT/tmp/nvidia-mps".to_owned(),
+        ),
+        (
+            "/run/nvidia-persistenced/socket".to_owned(),
+            "/DRIVER_ROOT/run/nvidia-persistenced/socket".to_owned(),
+        ),
+        (
+            format!("/usr/lib/x86_64-linux-gnu/libGLX_nvidia.so.{version}"),
+            format!("/DRIVER_ROOT/{LIBS}/libGLX_nvidia.so.{version}"),
+        ),
+        (
+            "/usr/lib/x86_64-linux-gnu/libEGL_nvidia.so.0".to_owned(),
+            format!("/DRIVER_ROOT/{LIBS}/libEGL_nvidia.so.{version}"),
+        ),
+    ] {
+        assert_eq!(mounts.get(&container), Some(&host), "{container}");
+    }
+}
+
+#[test]
+fn symlinked_config_and_mps_dir_leaving_the_root_are_left_out() {
+    let inv = h200();
+    let version = inv.driver.driver_version.clone();
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("driver");
+    driver_root::build(&root, &version, 1).unwrap();
+    let outside = tmp.path().join("outside");
+    fs::create_dir_all(&outside).unwrap();
+    fs::write(outside.join("icd.json"), "{}").unwrap();
+    let icd = root.join("usr/share/vulkan/icd.d/nvidia_icd.json");
+    fs::remove_file(&icd).unwrap();
+    symlink(outside.join("icd.json"), &icd).unwrap();
+    fs::remove_dir(root.join("tmp/nvidia-mps")).unwrap();
+    symlink(&outside, root.join("tmp/nvidia-mps")).unwrap();
+    // A soname link out of the root in a library directory changes nothing: links are not
+    // what the generator mounts.
+    symlink(
+        outside.join("icd.json"),
+        root.join(format!("{LIBS}/libcuda.so.1")),
+    )
+    .unwrap();
+    let host = cdi::discover_host_files(&root, &version, &[]).unwrap();
+    let outside_canon = fs::canonicalize(&outside).unwrap();
+    let plan = cdi::container_mounts(&host);
+    for m in &plan.mounts {
+        assert!(
+            !Path::new(&m.host_path).starts_with(&outside_canon),
+            "{m:?}"
+        );
+    }
+    assert!(
+        host.rejected.iter().any(|r| r.contains("nvidia_icd.json")),
+        "{:?}",
+        host.rejected
+    );
+    assert!(
+        host.rejected.iter().any(|r| r == "tmp/nvidia-mps"),
+        "{:?}",
+        host.rejected
+    );
+    assert!(
+        plan.mounts
+            .iter()
+            .any(|m| m.container_path == "/usr/lib64/libcuda.so.1")
+    );
 }
