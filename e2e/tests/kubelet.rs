@@ -218,7 +218,7 @@ impl Agent {
         fs::write(
             &fixture,
             format!(
-                "node: {}\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\n",
+                "node: {}\ndevice_nodes: ignored\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\n",
                 kubelet.node
             ),
         )?;
