@@ -7,6 +7,8 @@
 #   GPUPOOL_OPERATOR_BIN   the operator          (cargo build -p gpupool-operator --bin …)
 #   GPUPOOL_AGENT_BIN      the node agent        (cargo build -p gpupool-device-plugin --bin …)
 #   GPUPOOL_FAKE_NVML_LIB  the fake NVML library (cargo build -p gpupool-fake-nvml --lib)
+#   GPUPOOL_FAKE_CUDA_LIB  the fake CUDA driver library, for in-container probes
+#                          (cargo build -p gpupool-fake-cuda --lib)
 #   GPUPOOL_FAKE_DRIVER_ROOT_BIN  the demo's fake driver root builder
 #                                 (cargo build -p gpupool-sim --bin gpupool-fake-driver-root)
 #
@@ -35,9 +37,11 @@ build() {
 build gpupool-operator -p gpupool-operator --bin gpupool-operator
 build gpupool-device-plugin -p gpupool-device-plugin --bin gpupool-device-plugin
 build libnvidia_ml.so -p gpupool-fake-nvml --lib
+build libcuda_fake.so -p gpupool-fake-cuda --lib
 build gpupool-fake-driver-root -p gpupool-sim --bin gpupool-fake-driver-root
 
 printf 'export GPUPOOL_OPERATOR_BIN=%q\n' "$TARGET/debug/gpupool-operator"
 printf 'export GPUPOOL_AGENT_BIN=%q\n' "$TARGET/debug/gpupool-device-plugin"
 printf 'export GPUPOOL_FAKE_NVML_LIB=%q\n' "$TARGET/debug/libnvidia_ml.so"
+printf 'export GPUPOOL_FAKE_CUDA_LIB=%q\n' "$TARGET/debug/libcuda_fake.so"
 printf 'export GPUPOOL_FAKE_DRIVER_ROOT_BIN=%q\n' "$TARGET/debug/gpupool-fake-driver-root"

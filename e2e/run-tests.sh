@@ -13,7 +13,7 @@
 #                          (default <repo>/target/e2e-logs)
 #   GPUPOOL_E2E_KUBELET    1: also build the real-kubelet layer's tools (kubelet, fakecri)
 #                          and the real node's (containerd, CNI plugins, test images)
-#   GPUPOOL_OPERATOR_BIN, GPUPOOL_AGENT_BIN, GPUPOOL_FAKE_NVML_LIB
+#   GPUPOOL_OPERATOR_BIN, GPUPOOL_AGENT_BIN, GPUPOOL_FAKE_NVML_LIB, GPUPOOL_FAKE_CUDA_LIB
 #                          prebuilt artifacts; when any is unset, e2e/artifacts.sh builds all
 set -euo pipefail
 
@@ -59,8 +59,9 @@ if [[ ${GPUPOOL_E2E_KUBELET:-0} == 1 ]]; then
 fi
 
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$REPO/target}
-if [[ -z ${GPUPOOL_OPERATOR_BIN:-} || -z ${GPUPOOL_AGENT_BIN:-} || -z ${GPUPOOL_FAKE_NVML_LIB:-} ]]; then
-    say "building the operator, the node agent and the fake libnvidia-ml"
+if [[ -z ${GPUPOOL_OPERATOR_BIN:-} || -z ${GPUPOOL_AGENT_BIN:-} || -z ${GPUPOOL_FAKE_NVML_LIB:-} ||
+    -z ${GPUPOOL_FAKE_CUDA_LIB:-} ]]; then
+    say "building the operator, the node agent, the fake libnvidia-ml and the fake libcuda"
     eval "$("$REPO/e2e/artifacts.sh")"
 fi
 

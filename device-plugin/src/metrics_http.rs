@@ -52,6 +52,9 @@ pub struct Figures {
     pub status_writes: u64,
     /// CDI spec writes.
     pub cdi_writes: u64,
+    /// 1 when the CDI spec the runtime reads is the agent's and resolvable; absent with CDI
+    /// off or before the first write.
+    pub cdi_spec_ready: Option<bool>,
 }
 
 /// State shared between the agent loop and the HTTP server.
@@ -200,6 +203,14 @@ impl Collector for FiguresCollector {
             None,
             MetricType::Counter,
         )?)?;
+        if let Some(ready) = f.cdi_spec_ready {
+            ConstGauge::new(u32::from(ready)).encode(encoder.encode_descriptor(
+                "gpupool_cdi_spec_ready",
+                "1 when the CDI spec the runtime reads is as the agent wrote it and no other spec claims its devices.",
+                None,
+                MetricType::Gauge,
+            )?)?;
+        }
         Ok(())
     }
 }
@@ -311,6 +322,7 @@ mod tests {
         f.validated = true;
         f.status_writes = 3;
         f.cdi_writes = 1;
+        f.cdi_spec_ready = Some(true);
         m.set(f);
         PluginMetrics::inc(&m.plugin.registrations);
         PluginMetrics::inc(&m.plugin.allocations);
@@ -369,6 +381,9 @@ gpupool_status_writes_total 3
 # HELP gpupool_cdi_spec_writes CDI spec file writes.
 # TYPE gpupool_cdi_spec_writes counter
 gpupool_cdi_spec_writes_total 1
+# HELP gpupool_cdi_spec_ready 1 when the CDI spec the runtime reads is as the agent wrote it and no other spec claims its devices.
+# TYPE gpupool_cdi_spec_ready gauge
+gpupool_cdi_spec_ready 1
 # EOF
 ";
         assert_eq!(text, expected);

@@ -813,3 +813,198 @@ fn the_suite_tells_differing_backends_apart() {
         "a moved placement must show"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Visibility: the fake, like the driver, enumerates only the GPUs whose device node the process
+// sees (`device_nodes` in the fixture, `GPUPOOL_FAKE_NVML_DEV_DIR`).
+// ---------------------------------------------------------------------------------------------
+
+/// Two MIG-enabled A30s, each with one 1g GPU instance and compute instance, seen through the
+/// fake with device nodes under `dev`.
+struct VisibilityCase {
+    nvml: nvml_wrapper::Nvml,
+    node: Node,
+    dir: tempfile::TempDir,
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+fn visibility_case(device_nodes: &str, dev: &Path) -> VisibilityCase {
+    let serial = FAKE_SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let lib = fake_library();
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = dir.path().join("fixture.yaml");
+    std::fs::write(
+        &fixture,
+        format!(
+            "node: visibility\ndevice_nodes: {device_nodes}\n\
+             driver: {{version: \"550.54.15\", cuda: \"12.4\"}}\n\
+             gpus: [{{model: A30-24GB, count: 2, mig_enabled: true}}]\n"
+        ),
+    )
+    .unwrap();
+    let node = Node::load(&fixture).unwrap();
+    StateFile::for_fixture(&fixture)
+        .update(&node, |s| {
+            s.clock_s = Some(0.0);
+            for gpu in 0..2 {
+                let gi = s.create_gpu_instance(&node, gpu, 0, None, 0.0)?;
+                s.create_compute_instance(&node, gpu, gi, 0, 0.0)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    // SAFETY: serialized by FAKE_SERIAL, as in fake_harness.
+    unsafe {
+        std::env::set_var("GPUPOOL_FAKE_NVML_FIXTURE", &fixture);
+        std::env::set_var("GPUPOOL_FAKE_NVML_DEV_DIR", dev);
+        std::env::remove_var("GPUPOOL_FAKE_NVML_STATE");
+    }
+    let nvml = nvml_wrapper::Nvml::builder()
+        .lib_path(lib.as_os_str())
+        .init()
+        .unwrap();
+    // SAFETY: as above; nvmlInit has read them.
+    unsafe { std::env::remove_var("GPUPOOL_FAKE_NVML_DEV_DIR") };
+    VisibilityCase {
+        nvml,
+        node,
+        dir,
+        _serial: serial,
+    }
+}
+
+impl VisibilityCase {
+    /// What the process sees: per NVML index, the UUID, index and minor; then, per fixture GPU,
+    /// whether its UUID, bus ID and MIG device UUID are found.
+    fn transcript(&self) -> Vec<String> {
+        let n = &self.nvml;
+        let count = n.device_count().unwrap();
+        let mut t = vec![format!("count {count}")];
+        for i in 0..count {
+            let d = n.device_by_index(i).unwrap();
+            let fixture_gpu = self
+                .node
+                .gpus
+                .iter()
+                .position(|g| g.uuid == d.uuid().unwrap())
+                .unwrap();
+            t.push(format!(
+                "index {i}: gpu {fixture_gpu}, reports index {}, minor {}",
+                d.index().unwrap(),
+                d.minor_number().unwrap()
+            ));
+        }
+        t.push(format!(
+            "index {count}: {:?}",
+            n.device_by_index(count).err()
+        ));
+        for g in &self.node.gpus {
+            let found =
+                |r: Result<nvml_wrapper::Device<'_>, nvml_wrapper::error::NvmlError>| match r {
+                    Ok(_) => "found".to_owned(),
+                    Err(e) => format!("{e:?}"),
+                };
+            let mig = self.mig_uuid_of(g.index);
+            t.push(format!(
+                "gpu {}: uuid {}, pci {}, mig {}",
+                g.index,
+                found(n.device_by_uuid(g.uuid.as_str())),
+                found(n.device_by_pci_bus_id(g.pci_bus_id.as_str())),
+                found(n.device_by_uuid(mig.as_str())),
+            ));
+        }
+        t
+    }
+
+    /// The UUID of the one MIG device on fixture GPU `gpu`, from the state file.
+    fn mig_uuid_of(&self, gpu: u32) -> String {
+        let fixture = self.dir.path().join("fixture.yaml");
+        let state = StateFile::for_fixture(&fixture).read(&self.node).unwrap();
+        let devices = state.mig_devices(&self.node, gpu, 0.0).unwrap();
+        assert_eq!(devices.len(), 1);
+        devices[0].uuid.clone()
+    }
+}
+
+#[test]
+fn fake_nvml_enumerates_only_gpus_whose_device_node_exists() {
+    let dev = tempfile::tempdir().unwrap();
+    std::fs::write(dev.path().join("nvidia1"), "").unwrap();
+    let case = visibility_case("files", dev.path());
+    assert_eq!(
+        case.transcript(),
+        [
+            "count 1",
+            "index 0: gpu 1, reports index 0, minor 1",
+            "index 1: Some(InvalidArg)",
+            "gpu 0: uuid NotFound, pci NotFound, mig NotFound",
+            "gpu 1: uuid found, pci found, mig found",
+        ]
+    );
+    drop(case);
+
+    // All of them with `ignored`, whatever the directory holds.
+    let case = visibility_case("ignored", dev.path());
+    let t = case.transcript();
+    assert_eq!(t[0], "count 2");
+    assert_eq!(t[4], "gpu 0: uuid found, pci found, mig found");
+}
+
+#[test]
+fn fake_nvml_counts_only_character_devices_by_default() {
+    let dev = tempfile::tempdir().unwrap();
+    // A plain file does not make a GPU visible in the default mode.
+    std::fs::write(dev.path().join("nvidia0"), "").unwrap();
+    let case = visibility_case("char_devices", dev.path());
+    assert_eq!(case.transcript()[0], "count 0");
+    drop(case);
+
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipping the character-device half: making device nodes needs root");
+        return;
+    }
+    let node = dev.path().join("nvidia1");
+    let path = std::ffi::CString::new(node.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mknod only reads it.
+    let rc = unsafe { libc::mknod(path.as_ptr(), libc::S_IFCHR | 0o600, libc::makedev(195, 1)) };
+    if rc != 0 {
+        println!(
+            "skipping the character-device half: mknod {}: {}",
+            node.display(),
+            std::io::Error::last_os_error()
+        );
+        return;
+    }
+    let case = visibility_case("char_devices", dev.path());
+    let t = case.transcript();
+    assert_eq!(t[0], "count 1");
+    assert_eq!(t[1], "index 0: gpu 1, reports index 0, minor 1");
+    assert_eq!(t[3], "gpu 0: uuid NotFound, pci NotFound, mig NotFound");
+    assert_eq!(t[4], "gpu 1: uuid found, pci found, mig found");
+}
+
+/// The library carries the driver's soname, so whatever links or caches it records
+/// `libnvidia-ml.so.1`.
+#[test]
+fn fake_nvml_has_the_drivers_soname() {
+    let lib = std::fs::canonicalize(fake_library()).unwrap();
+    let out = match std::process::Command::new("readelf")
+        .arg("-d")
+        .arg(&lib)
+        .output()
+    {
+        Ok(out) => out,
+        Err(e) => {
+            println!("skipping: readelf is not available ({e})");
+            return;
+        }
+    };
+    assert!(out.status.success(), "readelf -d {}", lib.display());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.lines()
+            .any(|l| l.contains("(SONAME)") && l.contains("[libnvidia-ml.so.1]")),
+        "{text}"
+    );
+}

@@ -1,6 +1,7 @@
-//! The project's own binaries the tests run: the operator, the node agent and the fake
-//! `libnvidia-ml.so`. Each is either named by an environment variable (`e2e/artifacts.sh`, which
-//! `./test.sh` runs first, builds all three and exports their paths, along with the demo's
+//! The project's own binaries the tests run: the operator, the node agent, the fake
+//! `libnvidia-ml.so` and the fake `libcuda.so` (for probes in GPU pods' containers). Each is
+//! either named by an environment variable (`e2e/artifacts.sh`, which `./test.sh` runs first,
+//! builds all four and exports their paths, along with the demo's
 //! `gpupool-fake-driver-root`, which no test runs: tests call its library directly) or built
 //! here with one explicit cargo invocation per artifact, so that nothing depends on what an
 //! earlier, unrelated build left in the target directory.
@@ -61,6 +62,13 @@ const FAKE_NVML: Artifact = Artifact {
     // `--lib` selects the cdylib target.
     cargo_args: &["-p", "gpupool-fake-nvml", "--lib"],
     output: "libnvidia_ml.so",
+};
+
+const FAKE_CUDA: Artifact = Artifact {
+    env: "GPUPOOL_FAKE_CUDA_LIB",
+    // `--lib` selects the cdylib target.
+    cargo_args: &["-p", "gpupool-fake-cuda", "--lib"],
+    output: "libcuda_fake.so",
 };
 
 impl Artifact {
@@ -134,19 +142,28 @@ pub fn fake_nvml_library() -> Result<PathBuf> {
     once(&CELL, &FAKE_NVML).context("fake libnvidia-ml")
 }
 
+/// The fake CUDA driver library (`libcuda_fake.so`, soname `libcuda.so.1`; install it under
+/// that name).
+pub fn fake_cuda_library() -> Result<PathBuf> {
+    static CELL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    once(&CELL, &FAKE_CUDA).context("fake libcuda")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn each_artifact_is_built_by_its_own_filtered_invocation() {
-        for a in [&OPERATOR, &AGENT, &FAKE_NVML] {
+        for a in [&OPERATOR, &AGENT, &FAKE_NVML, &FAKE_CUDA] {
             let p: Vec<_> = a.cargo_args.iter().filter(|x| **x == "-p").collect();
             assert_eq!(p.len(), 1, "{}: one package per invocation", a.env);
         }
-        // The library needs `--lib`, never `--bin` (which would skip the cdylib).
-        assert!(FAKE_NVML.cargo_args.contains(&"--lib"));
-        assert!(!FAKE_NVML.cargo_args.contains(&"--bin"));
+        // The libraries need `--lib`, never `--bin` (which would skip the cdylib).
+        for lib in [&FAKE_NVML, &FAKE_CUDA] {
+            assert!(lib.cargo_args.contains(&"--lib"), "{}", lib.env);
+            assert!(!lib.cargo_args.contains(&"--bin"), "{}", lib.env);
+        }
     }
 
     #[test]

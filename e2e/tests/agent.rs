@@ -76,7 +76,9 @@ async fn kwok_node(client: &Client, i: usize) -> Result<String> {
     })
 }
 
-/// One node's host: fixture, kubelet dir, CDI dir, fake driver root.
+/// One node's host: fixture, kubelet dir, CDI dir, fake driver root. The fixtures say
+/// `device_nodes: ignored`: the agent runs on this host, which has no `/dev/nvidiaN`, and on a
+/// GPU node it would see all of them.
 struct NodeHost {
     node: String,
     dir: PathBuf,
@@ -288,7 +290,7 @@ async fn agent_validates_writes_cdi_tracks_idleness_and_stays_quiet() -> Result<
     let node = kwok_node(&client, 0).await?;
     // GPU 0 is busy for the first 8 s, idle, then busy again from 24 s; GPU 1 is idle.
     let fixture = format!(
-        "node: {}\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\nutilization:\n  - gpu: 0\n    busy:\n      - {{from: 0, to: 8, gpu: 90}}\n      - {{from: 24, gpu: 90}}\n",
+        "node: {}\ndevice_nodes: ignored\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\nutilization:\n  - gpu: 0\n    busy:\n      - {{from: 0, to: 8, gpu: 90}}\n      - {{from: 24, gpu: 90}}\n",
         scope.prefix()
     );
     let host = NodeHost::new(&scope, &node, &fixture, 2)?;
@@ -528,7 +530,7 @@ async fn agent_reports_failed_validation_with_message_and_event() -> Result<()> 
     let scope = TestScope::new(cluster, "agent-old-driver")?;
     let node = kwok_node(&client, 1).await?;
     // GPU 1 reports an uncorrectable ECC error 15 s after the agent starts.
-    let fixture = "node: old-driver-e2e\ndriver: {version: \"535.104.05\", cuda: \"12.2\"}\ngpus:\n  - model: A100-SXM4-40GB\n    count: 2\nfaults:\n  - {at: 15, gpu: 1, fault: {double_bit_ecc: 1}}\n";
+    let fixture = "node: old-driver-e2e\ndevice_nodes: ignored\ndriver: {version: \"535.104.05\", cuda: \"12.2\"}\ngpus:\n  - model: A100-SXM4-40GB\n    count: 2\nfaults:\n  - {at: 15, gpu: 1, fault: {double_bit_ecc: 1}}\n";
     let host = NodeHost::new(&scope, &node, fixture, 2)?;
     fs::write(
         host.driver_root.join("proc/driver/nvidia/version"),
@@ -692,7 +694,7 @@ async fn agent_applies_mig_layout_and_completes_it_after_kill_9() -> Result<()> 
     // A compute process runs on GPU 0 for the first 12 s after NVML starts: the agent must
     // wait for it (Draining) before touching the GPU.
     let fixture = format!(
-        "node: {}\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\nutilization:\n  - gpu: 0\n    processes:\n      - {{pid: 4242, used_memory_mib: 1024, from: 0, to: 12}}\n",
+        "node: {}\ndevice_nodes: ignored\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\nutilization:\n  - gpu: 0\n    processes:\n      - {{pid: 4242, used_memory_mib: 1024, from: 0, to: 12}}\n",
         scope.prefix()
     );
     let host = NodeHost::new(&scope, &node, &fixture, 2)?;

@@ -267,7 +267,7 @@ async fn real_kubelet_admits_gpu_pods_through_the_plugin() -> Result<()> {
     fake_driver_root(&driver_root, DRIVER, 2)?;
     let setup = AgentSetup {
         fixture: format!(
-            "node: {node}\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\n"
+            "node: {node}\ndevice_nodes: ignored\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\n"
         ),
         driver_root,
         cdi_dir: dir.join("cdi"),

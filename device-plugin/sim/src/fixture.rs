@@ -23,6 +23,29 @@ pub struct Fixture {
     /// Busy and idle periods and processes per GPU.
     #[serde(default)]
     pub utilization: Vec<UtilizationFixture>,
+    /// Which GPUs the fake `libnvidia-ml.so` enumerates for the process that loads it (read by
+    /// the fake only; `SimBackend` always sees every GPU).
+    #[serde(default)]
+    pub device_nodes: DeviceNodes,
+}
+
+/// How the fake `libnvidia-ml.so` decides which GPUs the calling process sees.
+///
+/// The real driver enumerates only the GPUs whose `/dev/nvidia<minor>` the process can open, so
+/// a container given two GPUs of eight sees two, indexed 0 and 1. The device directory is
+/// `/dev` unless `GPUPOOL_FAKE_NVML_DEV_DIR` names another.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceNodes {
+    /// Only GPUs whose `<dev dir>/nvidia<minor>` is a character device, as the driver does.
+    #[default]
+    CharDevices,
+    /// GPUs whose `<dev dir>/nvidia<minor>` exists as any file: fake driver roots make plain
+    /// files, and unprivileged tests cannot make device nodes.
+    Files,
+    /// Every GPU in the fixture, device nodes or not: for hosts without any (CI, the
+    /// conformance suite, agents the e2e harness runs on the host).
+    Ignored,
 }
 
 fn default_node() -> String {

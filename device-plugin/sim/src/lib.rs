@@ -24,8 +24,8 @@ pub mod state_file;
 
 pub use error::{SimError, SimResult};
 pub use fixture::{
-    BusyPeriod, DriverFixture, FaultFixture, FaultKind, Fixture, GpuGroup, ProcessFixture,
-    TopologyFixture, UtilizationFixture,
+    BusyPeriod, DeviceNodes, DriverFixture, FaultFixture, FaultKind, Fixture, GpuGroup,
+    ProcessFixture, TopologyFixture, UtilizationFixture,
 };
 pub use models::{MODEL_INFOS, ModelInfo, arch, model_info};
 pub use node::{Node, SimGpu, mig_uuid, topology};

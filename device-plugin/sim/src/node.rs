@@ -1,10 +1,11 @@
 //! The node: a fixture resolved into GPUs, with UUIDs, bus IDs and topology.
 
 use std::fs;
+use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
 
 use crate::error::{SimError, SimResult};
-use crate::fixture::Fixture;
+use crate::fixture::{DeviceNodes, Fixture};
 use crate::models::{MODEL_INFOS, ModelInfo, model_info};
 
 /// One simulated GPU.
@@ -197,6 +198,26 @@ impl Node {
             .ok_or_else(|| SimError::NotFound(format!("no GPU with UUID {uuid}")))
     }
 
+    /// Indices of the GPUs a process sees, in enumeration order, under the fixture's
+    /// [`DeviceNodes`] rule with device nodes under `dev_dir` (normally `/dev`).
+    pub fn visible_gpus(&self, dev_dir: &Path) -> Vec<u32> {
+        self.gpus
+            .iter()
+            .filter(|g| {
+                let node = dev_dir.join(format!("nvidia{}", g.minor));
+                match self.fixture.device_nodes {
+                    DeviceNodes::Ignored => true,
+                    // Follows symlinks, as open(2) would.
+                    DeviceNodes::Files => node.exists(),
+                    DeviceNodes::CharDevices => {
+                        fs::metadata(&node).is_ok_and(|m| m.file_type().is_char_device())
+                    }
+                }
+            })
+            .map(|g| g.index)
+            .collect()
+    }
+
     /// Whether two GPUs share an NVLink group.
     pub fn nvlink(&self, a: u32, b: u32) -> bool {
         a != b
@@ -243,4 +264,81 @@ pub mod topology {
     pub const NODE: u32 = 40;
     /// Across NUMA nodes (SMP interconnect).
     pub const SYSTEM: u32 = 50;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    /// A fresh device directory for one test, removed when dropped.
+    struct DevDir(PathBuf);
+
+    impl DevDir {
+        fn new(name: &str) -> DevDir {
+            let dir =
+                std::env::temp_dir().join(format!("gpupool-sim-dev-{name}-{}", std::process::id()));
+            let _ = fs::remove_dir_all(&dir);
+            fs::create_dir_all(&dir).unwrap();
+            DevDir(dir)
+        }
+    }
+
+    impl Drop for DevDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn node(device_nodes: &str) -> Node {
+        let yaml = format!(
+            "driver: {{version: \"550.54.15\", cuda: \"12.4\"}}\n\
+             gpus: [{{model: L4, count: 4}}]\n{device_nodes}"
+        );
+        Node::new(serde_yaml::from_str(&yaml).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn visible_gpus_follow_the_device_nodes_rule() {
+        let dev = DevDir::new("rule");
+        // Plain files for GPUs 1 and 3, a directory where GPU 2's node would be.
+        fs::write(dev.0.join("nvidia1"), "").unwrap();
+        fs::write(dev.0.join("nvidia3"), "").unwrap();
+        fs::create_dir(dev.0.join("nvidia2")).unwrap();
+        let cases: [(&str, Vec<u32>); 4] = [
+            ("", vec![]),
+            ("device_nodes: char_devices\n", vec![]),
+            ("device_nodes: files\n", vec![1, 2, 3]),
+            ("device_nodes: ignored\n", vec![0, 1, 2, 3]),
+        ];
+        for (rule, want) in cases {
+            assert_eq!(node(rule).visible_gpus(&dev.0), want, "{rule:?}");
+        }
+    }
+
+    #[test]
+    fn a_missing_dev_dir_shows_no_gpus_unless_ignored() {
+        let missing = Path::new("/nonexistent/gpupool-sim-dev");
+        assert!(node("").visible_gpus(missing).is_empty());
+        assert_eq!(
+            node("device_nodes: ignored\n").visible_gpus(missing).len(),
+            4
+        );
+    }
+
+    #[test]
+    fn character_devices_count_by_default() {
+        // /dev/null is a character device everywhere; a symlink named nvidia2 points at it.
+        let dev = DevDir::new("chr");
+        std::os::unix::fs::symlink("/dev/null", dev.0.join("nvidia2")).unwrap();
+        fs::write(dev.0.join("nvidia0"), "").unwrap();
+        assert_eq!(node("").visible_gpus(&dev.0), vec![2]);
+    }
+
+    #[test]
+    fn an_unknown_rule_is_an_error() {
+        let yaml =
+            "driver: {version: \"550.54.15\", cuda: \"12.4\"}\ngpus: []\ndevice_nodes: some\n";
+        assert!(serde_yaml::from_str::<Fixture>(yaml).is_err());
+    }
 }

@@ -8,6 +8,8 @@ use gpupool_crds::node::{CheckResult, GpuNode, MigState, NodeMigStatus, Verdict}
 use kube::Resource;
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder};
 
+use super::cdi_spec::SpecProblem;
+
 /// The health of one GPU as the agent reported it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuHealthSeen {
@@ -31,6 +33,9 @@ pub struct Observed {
     pub pod_resources: Option<Result<(), String>>,
     /// Why the CDI spec was last not written; `None` when it was.
     pub cdi_error: Option<String>,
+    /// What the last check of the spec file found; `None` before the first write or with CDI
+    /// off.
+    pub cdi_spec: Option<Result<(), SpecProblem>>,
 }
 
 /// One Event to publish.
@@ -112,7 +117,7 @@ fn mig_events(previous: Option<&NodeMigStatus>, now: &NodeMigStatus) -> Option<A
 }
 
 /// The Events that going from `previous` to `now` calls for, in the order they happened within
-/// a pass: MIG, CDI, validation, PodResources, device health.
+/// a pass: MIG, CDI (write, then the file check), validation, PodResources, device health.
 pub fn transitions(previous: &Observed, now: &Observed) -> Vec<AgentEvent> {
     let mut out = Vec::new();
     if let Some(mig) = &now.mig {
@@ -122,6 +127,18 @@ pub fn transitions(previous: &Observed, now: &Observed) -> Vec<AgentEvent> {
         && previous.cdi_error.as_ref() != Some(msg)
     {
         out.push(AgentEvent::new(true, "CdiSpecFailed", msg.clone()));
+    }
+    match (&previous.cdi_spec, &now.cdi_spec) {
+        (before, Some(Err(problem))) if before.as_ref() != now.cdi_spec.as_ref() => out.push(
+            AgentEvent::new(true, problem.kind.event_reason(), problem.message.clone()),
+        ),
+        (Some(Err(_)), Some(Ok(()))) => out.push(AgentEvent::new(
+            false,
+            "CdiSpecRestored",
+            "the CDI spec is as the agent wrote it again and no other spec claims its devices"
+                .to_owned(),
+        )),
+        _ => {}
     }
     match (passed(&previous.checks), passed(&now.checks)) {
         (prev, Some(false)) => {
@@ -245,6 +262,14 @@ impl Events {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agent::cdi_spec::ProblemKind;
+
+    fn spec_problem(kind: ProblemKind, message: &str) -> SpecProblem {
+        SpecProblem {
+            kind,
+            message: message.to_owned(),
+        }
+    }
 
     fn check(name: &str, passed: bool, message: &str) -> CheckResult {
         CheckResult {
@@ -486,6 +511,65 @@ mod tests {
                 vec![],
             ),
             (
+                "CDI spec deleted: one Warning",
+                Observed {
+                    cdi_spec: Some(Ok(())),
+                    ..o()
+                },
+                Observed {
+                    cdi_spec: Some(Err(spec_problem(ProblemKind::Missing, "gone"))),
+                    ..o()
+                },
+                vec!["Warning CdiSpecMissing [CdiSpecMissing] gone"],
+            ),
+            (
+                "CDI spec still in conflict, same words: no news",
+                Observed {
+                    cdi_spec: Some(Err(spec_problem(ProblemKind::Conflict, "x.yaml"))),
+                    ..o()
+                },
+                Observed {
+                    cdi_spec: Some(Err(spec_problem(ProblemKind::Conflict, "x.yaml"))),
+                    ..o()
+                },
+                vec![],
+            ),
+            (
+                "CDI spec problem changes: a Warning for the new one",
+                Observed {
+                    cdi_spec: Some(Err(spec_problem(ProblemKind::Missing, "gone"))),
+                    ..o()
+                },
+                Observed {
+                    cdi_spec: Some(Err(spec_problem(ProblemKind::Modified, "edited"))),
+                    ..o()
+                },
+                vec!["Warning CdiSpecModified [CdiSpecModified] edited"],
+            ),
+            (
+                "CDI spec healthy again: Normal",
+                Observed {
+                    cdi_spec: Some(Err(spec_problem(ProblemKind::Invalid, "not YAML"))),
+                    ..o()
+                },
+                Observed {
+                    cdi_spec: Some(Ok(())),
+                    ..o()
+                },
+                vec![
+                    "Normal CdiSpecRestored [CdiSpecRestored] the CDI spec is as the agent wrote it again and no other spec claims its devices",
+                ],
+            ),
+            (
+                "CDI spec fine from the first write: no news",
+                o(),
+                Observed {
+                    cdi_spec: Some(Ok(())),
+                    ..o()
+                },
+                vec![],
+            ),
+            (
                 "PodResources unavailable at start",
                 o(),
                 Observed {
@@ -579,6 +663,7 @@ mod tests {
             gpu_health: health(&[(0, Some("lost"))]),
             pod_resources: Some(Err("p".into())),
             cdi_error: Some("c".into()),
+            cdi_spec: Some(Err(spec_problem(ProblemKind::Missing, "s"))),
         };
         let reasons: Vec<&str> = transitions(&Observed::default(), &now)
             .iter()
@@ -589,6 +674,7 @@ mod tests {
             [
                 "MigFailed",
                 "CdiSpecFailed",
+                "CdiSpecMissing",
                 "ValidationFailed",
                 "PodResourcesUnavailable",
                 "DeviceUnhealthy"

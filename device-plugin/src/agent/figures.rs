@@ -23,6 +23,8 @@ pub struct FigureInputs<'a> {
     pub status_writes: u64,
     /// CDI spec writes so far.
     pub cdi_writes: u64,
+    /// Whether the spec the runtime reads is the agent's and resolvable; `None` with CDI off.
+    pub cdi_spec_ready: Option<bool>,
 }
 
 /// The figures for `inputs`.
@@ -32,6 +34,7 @@ pub fn figures(inputs: FigureInputs<'_>) -> Figures {
         validated: inputs.validated,
         status_writes: inputs.status_writes,
         cdi_writes: inputs.cdi_writes,
+        cdi_spec_ready: inputs.cdi_spec_ready,
         ..Figures::default()
     };
     if let Some(Ok(inv)) = inputs.inventory {
@@ -92,6 +95,7 @@ mod tests {
             validated: true,
             status_writes: 3,
             cdi_writes: 1,
+            cdi_spec_ready: Some(false),
         });
         assert!(f.gpus[&0].healthy);
         assert!(!f.gpus[&1].healthy);
@@ -99,6 +103,7 @@ mod tests {
         assert_eq!(f.gpus[&0].memory_used_mib, Some(1024));
         assert_eq!(f.gpus[&1].utilization_percent, None);
         assert_eq!((f.validated, f.status_writes, f.cdi_writes), (true, 3, 1));
+        assert_eq!(f.cdi_spec_ready, Some(false));
         assert_eq!(f.xids[&(1, 79)], 1);
     }
 }

@@ -224,6 +224,7 @@ impl NodeState {
             },
             pod_resources: self.sampling.pod_resources.clone(),
             cdi_error: self.cdi.last_error.clone(),
+            cdi_spec: self.cdi.check().cloned(),
         };
         self.events.observe(gpunode, observed).await;
         let status = status::build_status(
@@ -237,6 +238,7 @@ impl NodeState {
                 checks: self.validation.checks(),
                 mig,
                 cdi: self.cdi.status.clone(),
+                cdi_state: self.cdi.state(),
             },
             &mut self.conditions,
             Timestamp::now(),
@@ -251,6 +253,7 @@ impl NodeState {
             validated,
             status_writes: self.status.writes(),
             cdi_writes: self.cdi.writes,
+            cdi_spec_ready: self.cdi.check().map(Result::is_ok),
         }));
     }
 }

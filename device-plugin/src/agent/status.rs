@@ -17,6 +17,7 @@ use serde_json::json;
 
 use super::FIELD_MANAGER;
 use super::advertise::cdi_naming;
+use super::cdi_spec::SpecState;
 use crate::inventory::Inventory;
 use crate::plugin::{Advertisement, CdiKind, CdiNaming, Health};
 use crate::utilization::IdleTracker;
@@ -152,6 +153,9 @@ pub fn set_condition(
     conditions.sort_by(|a, b| a.type_.cmp(&b.type_));
 }
 
+/// The condition saying whether the CDI spec the runtime reads is the agent's and resolvable.
+pub const CDI_SPEC_READY: &str = "CdiSpecReady";
+
 /// Everything GpuNode status is built from: what each of the agent's jobs last saw.
 pub struct StatusInputs<'a> {
     /// The GpuNode (its spec's CDI kind and naming, its generation).
@@ -172,6 +176,8 @@ pub struct StatusInputs<'a> {
     pub mig: NodeMigStatus,
     /// The CDI spec as last written.
     pub cdi: Option<CdiStatus>,
+    /// Whether the spec the runtime reads is the agent's and resolvable; `None` with CDI off.
+    pub cdi_state: Option<SpecState>,
 }
 
 /// GpuNode status from `inputs`. `conditions` carries the agent's conditions from one build to
@@ -217,6 +223,29 @@ pub fn build_status(
             generation,
             now,
         );
+    }
+    match &inputs.cdi_state {
+        Some(state) => {
+            let (ok, reason, msg) = match state {
+                SpecState::Ready { path } => (
+                    true,
+                    "SpecCurrent",
+                    format!("{path} is as the agent wrote it and no other spec claims its devices"),
+                ),
+                SpecState::Problem(p) => (false, p.kind.reason(), p.message.clone()),
+                SpecState::WriteFailed(e) => (false, "WriteFailed", e.clone()),
+            };
+            set_condition(
+                conditions,
+                CDI_SPEC_READY,
+                ok,
+                reason,
+                &msg,
+                generation,
+                now,
+            );
+        }
+        None => conditions.retain(|c| c.type_ != CDI_SPEC_READY),
     }
     let healthy = gpus
         .iter()
@@ -383,6 +412,7 @@ mod tests {
                 checks,
                 mig: NodeMigStatus::default(),
                 cdi: None,
+                cdi_state: None,
             },
             &mut Vec::new(),
             Timestamp::from_second(1_700_000_000).unwrap(),
@@ -405,6 +435,61 @@ mod tests {
         assert_eq!(s.conditions.len(), 1);
         assert_eq!(s.conditions[0].type_, "PodResourcesAvailable");
         assert_eq!(s.conditions[0].status, "True");
+    }
+
+    #[test]
+    fn cdi_spec_ready_follows_the_cdi_job() {
+        use crate::agent::cdi_spec::{ProblemKind, SpecProblem};
+        let gn = gpunode("u1", None);
+        let inv: Result<Inventory, String> = Ok(crate::agent::testing::inventory());
+        let build = |state: Option<SpecState>, conditions: &mut Vec<Condition>| {
+            build_status(
+                StatusInputs {
+                    gpunode: &gn,
+                    inventory: Some(&inv),
+                    health: &BTreeMap::new(),
+                    idle: &IdleTracker::new(1),
+                    pods: &BTreeMap::new(),
+                    pod_resources: None,
+                    checks: &[],
+                    mig: NodeMigStatus::default(),
+                    cdi: None,
+                    cdi_state: state,
+                },
+                conditions,
+                Timestamp::from_second(1_700_000_000).unwrap(),
+            )
+        };
+        let cases = [
+            (
+                Some(SpecState::Ready {
+                    path: "/x/gpupool-nvidia.yaml".into(),
+                }),
+                Some(("True", "SpecCurrent")),
+            ),
+            (
+                Some(SpecState::Problem(SpecProblem {
+                    kind: ProblemKind::Missing,
+                    message: "gone".into(),
+                })),
+                Some(("False", "SpecMissing")),
+            ),
+            (
+                Some(SpecState::WriteFailed("no driver".into())),
+                Some(("False", "WriteFailed")),
+            ),
+            (None, None),
+        ];
+        let mut conditions = Vec::new();
+        for (state, want) in cases {
+            let s = build(state.clone(), &mut conditions);
+            let got = s
+                .conditions
+                .iter()
+                .find(|c| c.type_ == CDI_SPEC_READY)
+                .map(|c| (c.status.as_str(), c.reason.as_str()));
+            assert_eq!(got, want, "{state:?}");
+        }
     }
 
     #[tokio::test]

@@ -12,6 +12,11 @@
 //! - `GPUPOOL_FAKE_NVML_STATE`: the state file (JSON); default `<fixture>.state.json`. MIG mode,
 //!   GPU/compute instances, injected faults and a pinned clock live there, so a layout survives
 //!   an agent restart and every process using the fixture sees the same GPUs.
+//! - `GPUPOOL_FAKE_NVML_DEV_DIR`: where the device nodes are, default `/dev`. As the driver
+//!   does, the library enumerates only the GPUs whose `nvidia<minor>` node the process sees
+//!   there (a character device, unless the fixture's `device_nodes` says `files` or
+//!   `ignored`), decided at `nvmlInit`: indices are dense over those GPUs, and a UUID or bus ID
+//!   of another GPU, or of a MIG device on one, is not found.
 //!
 //! nvml-wrapper-sys looks every symbol up when the library is loaded and keeps the missing ones
 //! as errors, so loading succeeds with this subset; a function we lack fails when called.
@@ -81,6 +86,8 @@ fn sim<T>(r: Result<T, SimError>) -> R<T> {
 
 struct Ctx {
     node: Node,
+    /// Fixture indices of the GPUs this process sees, in NVML index order.
+    visible: Vec<u32>,
     state: StateFile,
     start: Instant,
 }
@@ -104,6 +111,14 @@ fn ctx() -> R<Arc<Ctx>> {
 }
 
 impl Ctx {
+    /// The NVML index of fixture GPU `gpu`, if this process sees it.
+    fn nvml_index(&self, gpu: u32) -> Option<u32> {
+        self.visible
+            .iter()
+            .position(|&g| g == gpu)
+            .map(|i| i as u32)
+    }
+
     fn read(&self) -> R<(SimState, f64)> {
         let state = sim(self.state.read(&self.node))?;
         let now = state
@@ -146,8 +161,12 @@ fn init() -> R {
         eprintln!("fake libnvidia-ml: {e}");
         DRIVER_NOT_LOADED
     })?;
+    let dev_dir = std::env::var_os("GPUPOOL_FAKE_NVML_DEV_DIR")
+        .map_or_else(|| PathBuf::from("/dev"), PathBuf::from);
+    let visible = node.visible_gpus(&dev_dir);
     g.ctx = Some(Arc::new(Ctx {
         node,
+        visible,
         state,
         start: Instant::now(),
     }));
@@ -243,12 +262,12 @@ fn dev(c: &Ctx, h: nvmlDevice_t) -> R<Dev> {
     match v & TAG_MASK {
         TAG_GPU => {
             let gpu = (v & !TAG_MASK) as u32;
-            c.node.gpu(gpu).map_err(|_| INVALID_ARGUMENT)?;
+            c.nvml_index(gpu).ok_or(INVALID_ARGUMENT)?;
             Ok(Dev::Gpu(gpu))
         }
         TAG_MIG => {
             let (gpu, gi, ci) = fields(v);
-            c.node.gpu(gpu).map_err(|_| INVALID_ARGUMENT)?;
+            c.nvml_index(gpu).ok_or(INVALID_ARGUMENT)?;
             Ok(Dev::Mig { gpu, gi, ci })
         }
         _ => Err(INVALID_ARGUMENT),
@@ -429,13 +448,13 @@ export! {
     }
 
     fn nvmlDeviceGetCount_v2(count: *mut c_uint) {
-        out(count, ctx()?.node.gpus.len() as c_uint)
+        out(count, ctx()?.visible.len() as c_uint)
     }
 
     fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, device: *mut nvmlDevice_t) {
         let c = ctx()?;
-        c.node.gpu(index).map_err(|_| INVALID_ARGUMENT)?;
-        out(device, gpu_handle(index))
+        let gpu = c.visible.get(index as usize).ok_or(INVALID_ARGUMENT)?;
+        out(device, gpu_handle(*gpu))
     }
 
     fn nvmlDeviceGetHandleByUUID(uuid: *const c_char, device: *mut nvmlDevice_t) {
@@ -446,11 +465,13 @@ export! {
         // SAFETY: NVML takes a NUL-terminated string.
         let uuid = unsafe { std::ffi::CStr::from_ptr(uuid) }.to_string_lossy().into_owned();
         if let Ok(g) = c.node.gpu_by_uuid(&uuid) {
+            c.nvml_index(g.index).ok_or(NOT_FOUND)?;
             return out(device, gpu_handle(g.index));
         }
         let (state, now) = c.read()?;
-        for g in &c.node.gpus {
-            if let Ok(devs) = state.mig_devices(&c.node, g.index, now)
+        // A MIG device is visible with its parent.
+        for &g in &c.visible {
+            if let Ok(devs) = state.mig_devices(&c.node, g, now)
                 && let Some(d) = devs.into_iter().find(|d| d.uuid == uuid)
             {
                 return out(device, mig_handle(d.gpu, d.gi, d.ci));
@@ -471,12 +492,15 @@ export! {
             .gpus
             .iter()
             .find(|g| g.pci_bus_id.to_ascii_uppercase().ends_with(bus.trim_start_matches('0')))
+            .filter(|g| c.nvml_index(g.index).is_some())
             .ok_or(NOT_FOUND)?;
         out(device, gpu_handle(g.index))
     }
 
     fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_uint) {
-        out(index, gpu_of(&*ctx()?, device)?)
+        let c = ctx()?;
+        let gpu = gpu_of(&c, device)?;
+        out(index, c.nvml_index(gpu).ok_or(INVALID_ARGUMENT)?)
     }
 
     fn nvmlDeviceGetMinorNumber(device: nvmlDevice_t, minor: *mut c_uint) {
