@@ -1312,9 +1312,7 @@ fn real_ld_cache_of_an_elf_driver_root_gives_every_soname() {
         );
         // Names other than the file's come from the cache; a library that is its own soname
         // (or in vdpau/, which ldconfig skips) gets it from its ELF file.
-        let want = if lib.rel.ends_with(&lib.soname) {
-            SonameSource::Elf
-        } else if lib.rel.contains("/vdpau/") {
+        let want = if lib.rel.ends_with(&lib.soname) || lib.rel.contains("/vdpau/") {
             SonameSource::Elf
         } else {
             SonameSource::LdCache
