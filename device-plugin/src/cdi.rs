@@ -748,6 +748,9 @@ fn describe_library(
         }
         ok
     };
+    // A cache entry named like the file itself says only that no other name leads to it (an
+    // object without DT_SONAME is listed that way); the file and the table may know more.
+    let cache_name = cache_name.filter(|n| n != file_name);
     let (soname, soname_source) = if let Some(name) = cache_name.filter(usable) {
         (Some(name), SonameSource::LdCache)
     } else if let Some(name) = elf.as_ref().and_then(|e| e.soname.clone()).filter(usable) {

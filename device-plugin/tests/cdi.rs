@@ -1273,3 +1273,51 @@ fn symlinked_config_and_mps_dir_leaving_the_root_are_left_out() {
             .any(|m| m.container_path == "/usr/lib64/libcuda.so.1")
     );
 }
+
+/// On a root built as the e2e layer builds it (ELF libraries, soname links, `ldconfig -r`),
+/// the libraries come from the real cache with the sonames they carry. Needs root and cc.
+#[test]
+fn real_ld_cache_of_an_elf_driver_root_gives_every_soname() {
+    let is_root = std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0\n"));
+    if !is_root || !have_cc() || CacheFlags::host() != Some(X86) {
+        eprintln!("skipped: needs root (ldconfig -r chroots), cc and an x86-64 host");
+        return;
+    }
+    let version = "550.54.15";
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("driver");
+    let options = driver_root::BuildOptions {
+        elf_libraries: true,
+        ldconfig: true,
+        ..driver_root::BuildOptions::default()
+    };
+    driver_root::build_with(&root, version, 1, &options).unwrap();
+    let host = cdi::discover_host_files(&root, version, &[]).unwrap();
+    assert_eq!(host.library_source, LibrarySource::LdCache);
+    let found: BTreeMap<&str, &cdi::DriverLibrary> = host
+        .libraries
+        .iter()
+        .map(|l| (l.root_path.as_str(), l))
+        .collect();
+    for lib in driver_root::libraries(version) {
+        let found = found[format!("/{}", lib.rel).as_str()];
+        assert_eq!(
+            found.soname.as_deref(),
+            Some(lib.soname.as_str()),
+            "{}",
+            lib.rel
+        );
+        // Names other than the file's come from the cache; a library that is its own soname
+        // (or in vdpau/, which ldconfig skips) gets it from its ELF file.
+        let want = if lib.rel.ends_with(&lib.soname) || lib.rel.contains("/vdpau/") {
+            SonameSource::Elf
+        } else {
+            SonameSource::LdCache
+        };
+        assert_eq!(found.soname_source, want, "{}", lib.rel);
+        assert_eq!(found.arch, Some(cdi::LibArch::X86_64));
+    }
+}

@@ -180,6 +180,110 @@ fn is_void_mount(m: &(String, String)) -> bool {
     m.0 == "/var/run/nvidia-container-devices/void"
 }
 
+/// Driver files one side mounts and the other does not, by design: the host path's file
+/// name (or its end) and why.
+const DELIBERATE_FILES: [(&str, &str, &str); 2] = [
+    (
+        "nvidia",
+        "/dev/null",
+        "nvidia-ctk bind-mounts /dev/null at /var/run/nvidia-container-devices/void, its marker \
+         for the legacy runtime hook; we set only NVIDIA_VISIBLE_DEVICES=void",
+    ),
+    (
+        "gpupool",
+        "/etc/OpenCL/vendors/nvidia.icd",
+        "we also mount the OpenCL ICD file, without which an OpenCL loader in the image cannot \
+         find libnvidia-opencl; nvidia-ctk mounts no OpenCL ICD",
+    ),
+];
+
+/// The reasons that explain every item of `diff` (host paths) on `side`, or `None` if one is
+/// not explained.
+fn explain_files(side: &str, diff: &BTreeSet<String>) -> Option<Vec<&'static str>> {
+    let mut reasons = Vec::new();
+    for path in diff {
+        let (_, _, why) = DELIBERATE_FILES
+            .iter()
+            .find(|(s, end, _)| *s == side && path.ends_with(end))?;
+        if !reasons.contains(why) {
+            reasons.push(*why);
+        }
+    }
+    Some(reasons)
+}
+
+/// Mounts, in three rows: which host files each mounts; whether every mount nvidia-ctk makes
+/// is in our spec at the same container path; and the container paths only we use (the soname
+/// names that stand in for nvidia-ctk's symlink and ldcache hooks).
+fn compare_mounts(report: &mut Report, s: &str, nvidia: &Normalized, ours: &Normalized) {
+    let hosts = |n: &Normalized| {
+        n.mounts
+            .iter()
+            .map(|(_, h)| h.clone())
+            .collect::<BTreeSet<_>>()
+    };
+    report.compare_sets(
+        s,
+        "driver files mounted (hostPath)",
+        &hosts(nvidia),
+        &hosts(ours),
+        |n, o| {
+            let mut reasons = explain_files("nvidia", n)?;
+            reasons.extend(explain_files("gpupool", o)?);
+            Some(reasons.join("; "))
+        },
+    );
+    let nvidia_paths: BTreeSet<&String> = nvidia.mounts.iter().map(|(c, _)| c).collect();
+    let ours_at_nvidia_paths: BTreeSet<(String, String)> = ours
+        .mounts
+        .iter()
+        .filter(|(c, _)| nvidia_paths.contains(c))
+        .cloned()
+        .collect();
+    let nvidia_mounts: BTreeSet<(String, String)> = nvidia
+        .mounts
+        .iter()
+        .filter(|m| !is_void_mount(m))
+        .cloned()
+        .collect();
+    report.compare_sets(
+        s,
+        "nvidia-ctk's mounts in our spec (containerPath, hostPath)",
+        &nvidia_mounts,
+        &ours_at_nvidia_paths,
+        |_, _| None,
+    );
+    let extra: BTreeSet<(String, String)> = ours
+        .mounts
+        .iter()
+        .filter(|(c, _)| !nvidia_paths.contains(c))
+        .cloned()
+        .collect();
+    report.compare_sets(
+        s,
+        "container paths only our spec uses (containerPath, hostPath)",
+        &BTreeSet::new(),
+        &extra,
+        |_, o| {
+            let stem = |p: &str| {
+                let name = p.rsplit('/').next().unwrap_or("");
+                name.split_once(".so").map(|(s, _)| s.to_owned())
+            };
+            let explained = o.iter().all(|(c, h)| {
+                (stem(c).is_some() && stem(c) == stem(h)) || c == "/etc/OpenCL/vendors/nvidia.icd"
+            });
+            explained.then(|| {
+                "each driver library is also mounted under its soname (and libcuda.so) in \
+                 /usr/local/nvidia/lib64 (on the LD_LIBRARY_PATH of NVIDIA's CUDA and pytorch \
+                 images) and in /usr/lib/<multiarch> and /usr/lib64 (glibc's default search), \
+                 where nvidia-ctk mounts host paths only and relies on its create-symlinks and \
+                 update-ldcache hooks; plus the OpenCL ICD file (see the hostPath row)"
+                    .to_owned()
+            })
+        },
+    );
+}
+
 /// Compares the two specs of one scenario, row by row.
 pub fn compare(report: &mut Report, scenario: &str, nvidia: &Normalized, ours: &Normalized) {
     let s = scenario;
@@ -259,32 +363,23 @@ pub fn compare(report: &mut Report, scenario: &str, nvidia: &Normalized, ours: &
         &ours.nodes,
         |_, _| None,
     );
-    report.compare_sets(
-        s,
-        "spec-level mounts (containerPath, hostPath)",
-        &nvidia.mounts,
-        &ours.mounts,
-        |n, o| {
-            let unexplained_nvidia = n.iter().any(|m| !is_void_mount(m));
-            (!unexplained_nvidia && o.is_empty()).then(|| {
-                "nvidia-ctk also bind-mounts /dev/null at \
-                 /var/run/nvidia-container-devices/void, its marker for the legacy runtime \
-                 hook; we set only NVIDIA_VISIBLE_DEVICES=void"
-                    .to_owned()
-            })
-        },
-    );
+    compare_mounts(report, s, nvidia, ours);
     report.compare_sets(s, "spec-level env", &nvidia.env, &ours.env, |n, o| {
-        (o.is_empty() && n.iter().all(|e| e.starts_with("NVIDIA_CTK_LIBCUDA_DIR="))).then(|| {
-            "NVIDIA_CTK_LIBCUDA_DIR is read only by nvidia-cdi-hook, and our spec has no hooks"
+        (n.iter().all(|e| e.starts_with("NVIDIA_CTK_LIBCUDA_DIR="))
+            && o.iter().all(|e| e.starts_with("TRITON_LIBCUDA_PATH=")))
+        .then(|| {
+            "NVIDIA_CTK_LIBCUDA_DIR is read only by nvidia-cdi-hook, and our spec has no hooks; \
+             we set TRITON_LIBCUDA_PATH (read only by Triton, which otherwise looks for libcuda \
+             in the image's ld.so.cache) to the directory holding our libcuda.so names"
                 .to_owned()
         })
     });
     report.compare_sets(s, "hooks", &nvidia.hooks, &ours.hooks, |_, o| {
         o.is_empty().then(|| {
             "our spec has zero hooks by design (no binary from the host runs in the container's \
-             namespaces; CVE-2024-0132/CVE-2025-23266 class); ldcache, libcuda.so symlink and \
-             CUDA compat are left to the image"
+             namespaces; CVE-2024-0132/CVE-2025-23266 class): soname mounts stand in for \
+             create-symlinks and update-ldcache (see the container-path rows); CUDA forward \
+             compatibility (enable-cuda-compat) is left to the image"
                 .to_owned()
         })
     });

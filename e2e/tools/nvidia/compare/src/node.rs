@@ -1,10 +1,9 @@
 //! A simulated node both stacks look at: a fixture and its state file for the fake
-//! `libnvidia-ml.so`, a MIG layout made through NVML, and a fake driver root with real
-//! character device nodes (made with `mknod`; nvidia-ctk rejects plain files), the fake
-//! library installed as `libnvidia-ml.so.<driver version>` with its `.so.1` link, and the
-//! `mig-minors` file.
+//! `libnvidia-ml.so`, a MIG layout made through NVML, and a full fake driver root
+//! (`gpupool_sim::driver_root::build_with`): character device nodes (nvidia-ctk rejects plain
+//! files), ELF libraries with their soname links and `etc/ld.so.cache`, the fake library
+//! installed as `libnvidia-ml.so.<driver version>`, and the `mig-minors` file.
 
-use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -168,43 +167,6 @@ impl FakeNode {
     }
 }
 
-fn mknod_script(root: &Path, gpus: u32) -> String {
-    let mut s = String::from("set -e\n");
-    let mut node = |rel: &str, major: u32, minor: u32| {
-        let path = root.join(rel);
-        let _ = writeln!(
-            s,
-            "rm -f '{p}' && mknod -m 0666 '{p}' c {major} {minor}",
-            p = path.display()
-        );
-    };
-    node("dev/nvidiactl", 195, 255);
-    node("dev/nvidia-modeset", 195, 254);
-    node("dev/nvidia-uvm", 510, 0);
-    node("dev/nvidia-uvm-tools", 510, 1);
-    for gpu in 0..gpus {
-        node(&format!("dev/nvidia{gpu}"), 195, gpu);
-    }
-    // The capability nodes the driver root builder made: config and monitor (minors 1, 2) and
-    // those it listed in mig-minors (from 3 up).
-    if let Ok(entries) = fs::read_dir(root.join("dev/nvidia-caps")) {
-        let mut names: Vec<String> = entries
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        for name in names {
-            if let Some(minor) = name
-                .strip_prefix("nvidia-cap")
-                .and_then(|m| m.parse::<u32>().ok())
-            {
-                node(&format!("dev/nvidia-caps/{name}"), 236, minor);
-            }
-        }
-    }
-    s
-}
-
 /// Prepares `dir` for `scenario`: copies the fixture, builds the driver root with the fake
 /// library from `fake_lib`, and runs `self_exe layout` (a child, so the fake library reads
 /// this node's environment) to create the MIG layout.
@@ -223,35 +185,20 @@ pub fn prepare(
         .with_context(|| format!("copying {}", scenario.fixture))?;
     let node = FakeNode::open(dir)?;
     let root = node.root();
-    gpupool_sim::driver_root::build(&root, &node.driver_version, node.gpus)?;
-    let lib_dir = root.join(LIB_DIR);
-    let versioned = lib_dir.join(format!("libnvidia-ml.so.{}", node.driver_version));
-    fs::copy(fake_lib, &versioned).with_context(|| format!("copying {}", fake_lib.display()))?;
-    // The driver root builder adds a library of another version (`.so.1.0.0`) to check that
-    // it is left out; keep it, both generators should skip it.
-    std::os::unix::fs::symlink(
-        format!("libnvidia-ml.so.{}", node.driver_version),
-        lib_dir.join("libnvidia-ml.so.1"),
-    )?;
-    std::os::unix::fs::symlink(
-        format!("libcuda.so.{}", node.driver_version),
-        lib_dir.join("libcuda.so.1"),
-    )?;
-    let script = dir.join("mknod.sh");
-    fs::write(&script, mknod_script(&root, node.gpus))?;
-    let status = Command::new("sh")
-        .arg(&script)
-        .status()
-        .context("running mknod")?;
-    ensure!(
-        status.success(),
-        "mknod failed (needs root or CAP_MKNOD): nvidia-ctk only accepts character devices"
-    );
-    // A real driver's binaries are executable; nvidia-ctk only mounts executables.
-    fs::set_permissions(
-        root.join("usr/bin/nvidia-smi"),
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )?;
+    // A full driver install as nvidia-ctk expects it: character device nodes (it rejects plain
+    // files), ELF libraries carrying their sonames with the soname links and an ld.so.cache
+    // made by ldconfig (so both generators find the libraries as on a real host), and the fake
+    // library as libnvidia-ml. The builder's library of another version (`.so.1.0.0`) stays:
+    // both generators should skip it.
+    let options = gpupool_sim::driver_root::BuildOptions {
+        elf_libraries: true,
+        device_nodes: gpupool_sim::driver_root::DeviceNodes::CharDevices,
+        nvml: Some(fake_lib.to_path_buf()),
+        cuda: None,
+        ldconfig: true,
+    };
+    gpupool_sim::driver_root::build_with(&root, &node.driver_version, node.gpus, &options)
+        .context("building the driver root (needs root for mknod and ldconfig, and cc)")?;
     let status = node
         .apply_env(&mut Command::new(self_exe))
         .args(["layout"])
