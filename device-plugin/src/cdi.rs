@@ -215,8 +215,9 @@ pub const SELF_NAMED_STEMS: [&str; 11] = [
 /// mounted here under its file name and soname.
 pub const NVIDIA_LIB_DIR: &str = "/usr/local/nvidia/lib64";
 
-/// Libraries that also get their unversioned development name (`<stem>.so`) in
-/// [`NVIDIA_LIB_DIR`]: programs that link against them at run time (Triton's `-lcuda`) need it.
+/// Libraries that also get their unversioned development name (`<stem>.so`) wherever their
+/// soname goes: programs that link against them at run time (Triton's `-lcuda`) or dlopen the
+/// bare name need it.
 const DEV_NAMES: [&str; 2] = ["libcuda", "libnvidia-opticalflow"];
 
 /// Environment the spec sets. `LD_LIBRARY_PATH` is deliberately not among it: CDI replaces a
@@ -970,9 +971,9 @@ fn is_socket(path: &Path) -> bool {
     fs::metadata(path).is_ok_and(|m| m.file_type().is_socket())
 }
 
-/// The container paths of a driver library besides its host path: its file name and soname
-/// in [`NVIDIA_LIB_DIR`] (plus `<stem>.so` for [`DEV_NAMES`]), and its soname in the default
-/// directories of glibc's loader, `/usr/lib/<multiarch>` and `/usr/lib64`. A library in a
+/// The container paths of a driver library besides its host path: its file name in
+/// [`NVIDIA_LIB_DIR`], and its soname (plus `<stem>.so` for [`DEV_NAMES`]) there and in the
+/// default directories of glibc's loader, `/usr/lib/<multiarch>` and `/usr/lib64`. A library in a
 /// `vdpau/` directory (loaded by libvdpau from its module directory, not by the loader's
 /// search) gets its soname in the `vdpau/` subdirectory of those two instead.
 pub fn library_aliases(library: &DriverLibrary) -> Vec<String> {
@@ -988,16 +989,22 @@ pub fn library_aliases(library: &DriverLibrary) -> Vec<String> {
         return paths;
     };
     let sub = if vdpau { "/vdpau" } else { "" };
-    if !vdpau {
-        paths.push(format!("{NVIDIA_LIB_DIR}/{soname}"));
-        if let Some(stem) = library_stem(file_name).filter(|s| DEV_NAMES.contains(s)) {
-            paths.push(format!("{NVIDIA_LIB_DIR}/{stem}.so"));
+    // A driver install leaves `libcuda.so` beside `libcuda.so.1`; programs that dlopen or link
+    // the unversioned name find it wherever they find the soname.
+    let dev_name = library_stem(file_name)
+        .filter(|s| !vdpau && DEV_NAMES.contains(s))
+        .map(|stem| format!("{stem}.so"));
+    let mut names = vec![soname.clone()];
+    names.extend(dev_name);
+    for name in &names {
+        if !vdpau {
+            paths.push(format!("{NVIDIA_LIB_DIR}/{name}"));
         }
+        if let Some(arch) = library.arch {
+            paths.push(format!("/usr/lib/{}{sub}/{name}", arch.triple()));
+        }
+        paths.push(format!("/usr/lib64{sub}/{name}"));
     }
-    if let Some(arch) = library.arch {
-        paths.push(format!("/usr/lib/{}{sub}/{soname}", arch.triple()));
-    }
-    paths.push(format!("/usr/lib64{sub}/{soname}"));
     paths
 }
 
@@ -1433,9 +1440,12 @@ mod tests {
             [
                 "/usr/local/nvidia/lib64/libcuda.so.1.2",
                 "/usr/local/nvidia/lib64/libcuda.so.1",
-                "/usr/local/nvidia/lib64/libcuda.so",
                 "/usr/lib/aarch64-linux-gnu/libcuda.so.1",
                 "/usr/lib64/libcuda.so.1",
+                // The development name, wherever the soname goes.
+                "/usr/local/nvidia/lib64/libcuda.so",
+                "/usr/lib/aarch64-linux-gnu/libcuda.so",
+                "/usr/lib64/libcuda.so",
             ]
         );
         // Architecture unknown: no multiarch directory.

@@ -76,14 +76,17 @@ int main(void) {
         int (*cu_count)(int *) = (int (*)(int *))dlsym(cuda, "cuDeviceGetCount");
         int (*cu_version)(int *) = (int (*)(int *))dlsym(cuda, "cuDriverGetVersion");
         int n = -1, v = -1;
-        printf("cuInit=%d\n", cu_init ? cu_init(0) : -1);
-        printf("cuDeviceGetCount=%d count=%d\n", cu_count ? cu_count(&n) : -1, n);
-        printf("cuDriverGetVersion=%d version=%d\n", cu_version ? cu_version(&v) : -1, v);
+        /* Each call before the printf that shows its output: argument
+         * evaluation order is unspecified. */
+        int rc = cu_init ? cu_init(0) : -1;
+        printf("cuInit=%d\n", rc);
+        rc = cu_count ? cu_count(&n) : -1;
+        printf("cuDeviceGetCount=%d count=%d\n", rc, n);
+        rc = cu_version ? cu_version(&v) : -1;
+        printf("cuDriverGetVersion=%d version=%d\n", rc, v);
     }
     /* Triton and some JIT stacks link against the unversioned name. */
-    if (load("libcuda_unversioned", "libcuda.so", "cuInit") == NULL) {
-        /* reported above */
-    }
+    load("libcuda_unversioned", "libcuda.so", "cuInit");
     void *nvml = load("libnvml", "libnvidia-ml.so.1", "nvmlInit_v2");
     if (nvml) {
         int (*init)(void) = (int (*)(void))dlsym(nvml, "nvmlInit_v2");
