@@ -522,11 +522,11 @@ async fn agent_validates_writes_cdi_tracks_idleness_and_stays_quiet() -> Result<
     ensure!(event.type_.as_deref() == Some("Warning"));
     ensure!(
         event
-            .note
+            .message
             .as_deref()
             .is_some_and(|n| n.contains("was deleted")),
         "{:?}",
-        event.note
+        event.message
     );
     let spec_path = host.spec_file();
     poll(
