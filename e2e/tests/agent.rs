@@ -5,6 +5,8 @@
 //! - validation passes on a good node and fails with the CUDA message and an Event on an old
 //!   driver (then passes once the pool's requirement is lowered);
 //! - the CDI spec is written, well-formed, and rewritten only when its content changes;
+//! - the CDI spec deleted under the running agent is reported (Event, `CdiSpecReady`
+//!   condition) and rewritten; another spec claiming its devices is reported and left alone;
 //! - a MIG layout walks Draining → Applying → Applied and the plugin serves the new resource;
 //!   `kill -9` mid-Applying and a restart still end Applied with the right instances (NVML
 //!   backend on the fake libnvidia-ml, whose state file stands in for the hardware);
@@ -496,6 +498,97 @@ async fn agent_validates_writes_cdi_tracks_idleness_and_stays_quiet() -> Result<
         text.contains("cdiVersion: 0.5.0"),
         "host paths differ from container paths, so 0.5.0:\n{text}"
     );
+
+    // The spec deleted under the running agent: a Warning Event and the condition, then the
+    // spec is rewritten as it was and the condition is True again.
+    let cdi_ready = |s: &gpupool_crds::node::GpuNodeStatus, status: &str, reason: &str| {
+        s.conditions
+            .iter()
+            .any(|c| c.type_ == "CdiSpecReady" && c.status == status && c.reason == reason)
+    };
+    wait_status(
+        &client,
+        &node,
+        "CdiSpecReady=True",
+        Duration::from_secs(30),
+        |s| cdi_ready(s, "True", "SpecCurrent"),
+    )
+    .await?;
+    let written = fs::read_to_string(host.spec_file())?;
+    fs::remove_file(host.spec_file())?;
+    let event = wait_event(&client, &node, "CdiSpecMissing")
+        .await
+        .with_context(|| agent.log_text())?;
+    ensure!(event.type_.as_deref() == Some("Warning"));
+    ensure!(
+        event
+            .message
+            .as_deref()
+            .is_some_and(|n| n.contains("was deleted")),
+        "{:?}",
+        event.message
+    );
+    let spec_path = host.spec_file();
+    poll(
+        "the spec rewritten as it was",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || {
+            let same = fs::read_to_string(&spec_path).is_ok_and(|t| t == written);
+            async move { Ok(same.then_some(())) }
+        },
+    )
+    .await?;
+    wait_event(&client, &node, "CdiSpecRestored").await?;
+    wait_status(
+        &client,
+        &node,
+        "CdiSpecReady=True after the rewrite",
+        Duration::from_secs(30),
+        |s| cdi_ready(s, "True", "SpecCurrent"),
+    )
+    .await?;
+
+    // Another spec defining one of our devices under our kind: reported, never touched.
+    let theirs = host.cdi.join("another-tool.yaml");
+    let clash =
+        "cdiVersion: 0.5.0\nkind: gpupool.io/gpu\ndevices:\n- name: all\n  containerEdits: {}\n";
+    fs::write(&theirs, clash)?;
+    let gn = wait_status(
+        &client,
+        &node,
+        "CdiSpecReady=False, SpecConflict",
+        Duration::from_secs(30),
+        |s| cdi_ready(s, "False", "SpecConflict"),
+    )
+    .await?;
+    let message = gn
+        .status
+        .unwrap_or_default()
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == "CdiSpecReady")
+        .map(|c| c.message)
+        .unwrap_or_default();
+    ensure!(
+        message.contains("another-tool.yaml") && message.contains("device all"),
+        "{message}"
+    );
+    wait_event(&client, &node, "CdiSpecConflict").await?;
+    ensure!(
+        fs::read_to_string(&theirs)? == clash,
+        "another tool's spec was changed"
+    );
+    ensure!(fs::read_to_string(host.spec_file())? == written);
+    fs::remove_file(&theirs)?;
+    wait_status(
+        &client,
+        &node,
+        "CdiSpecReady=True once the other spec is gone",
+        Duration::from_secs(30),
+        |s| cdi_ready(s, "True", "SpecCurrent"),
+    )
+    .await?;
 
     // SIGTERM: clean exit, plugin sockets removed; a restart leaves the unchanged spec alone.
     let socket = host.socket("nvidia.com/gpu");

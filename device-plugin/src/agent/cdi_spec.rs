@@ -414,13 +414,15 @@ mod tests {
         let nvidia = "kind: nvidia.com/gpu\ndevices:\n- name: '0'\n- name: all\n";
         let clash =
             "{\"kind\": \"gpupool.io/gpu\", \"devices\": [{\"name\": \"all\"}, {\"name\": \"9\"}]}";
-        let cases: Vec<(
-            &str,
-            Option<&str>,
+        // name, our file's content, the other files, the problem, words its message has
+        type Case<'a> = (
+            &'a str,
+            Option<&'a str>,
             Vec<OtherSpec>,
             Option<ProblemKind>,
-            &str,
-        )> = vec![
+            &'a str,
+        );
+        let cases: Vec<Case<'_>> = vec![
             ("as written, alone", Some(OURS), vec![], None, ""),
             (
                 "another tool's kind in the same dir is fine",
