@@ -10,6 +10,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use gpupool_crds::GpuNode;
 use gpupool_crds::node::GpuNodeStatus;
+use k8s_openapi::api::core::v1::Event;
+use kube::api::ListParams;
 use kube::{Api, Client};
 
 use crate::artifacts;
@@ -62,4 +64,25 @@ pub async fn wait_status(
 pub fn fake_driver_root(root: &Path, version: &str, gpus: u32) -> Result<()> {
     gpupool_sim::driver_root::build(root, version, gpus)
         .with_context(|| format!("building a fake driver root in {}", root.display()))
+}
+
+/// The Events about object `name` (a cluster-scoped object: they live in `default`) with
+/// `reason`.
+pub async fn events_for(client: &Client, name: &str, reason: &str) -> Result<Vec<Event>> {
+    let events: Api<Event> = Api::namespaced(client.clone(), "default");
+    let list = events
+        .list(&ListParams::default().fields(&format!("involvedObject.name={name},reason={reason}")))
+        .await?;
+    Ok(list.items)
+}
+
+/// Waits up to 30 s for an Event about `name` with `reason`.
+pub async fn wait_event(client: &Client, name: &str, reason: &str) -> Result<Event> {
+    poll(
+        &format!("a {reason} Event on {name}"),
+        Duration::from_secs(30),
+        Duration::from_millis(250),
+        || async move { Ok(events_for(client, name, reason).await?.into_iter().next()) },
+    )
+    .await
 }

@@ -30,10 +30,10 @@ use anyhow::{Context, Result, ensure};
 use gpupool_crds::node::{CheckName, GpuMigSpec, MigState, NodeMigSpec, UtilizationSpec, Verdict};
 use gpupool_crds::policy::{CdiDeviceNameStrategy, DriverPolicy, MigStrategy};
 use gpupool_crds::{GpuNode, GpuNodeSpec};
-use gpupool_e2e::agent::{agent_binaries, fake_driver_root, wait_status};
+use gpupool_e2e::agent::{agent_binaries, events_for, fake_driver_root, wait_event, wait_status};
 use gpupool_e2e::wait::poll;
 use gpupool_e2e::{Cluster, FAKE_NODE_LABEL, TestScope, crds, repo_root};
-use k8s_openapi::api::core::v1::{Event, Node};
+use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 
@@ -259,24 +259,6 @@ fn base_spec(pool: &str) -> GpuNodeSpec {
             sample_interval: Duration::from_secs(1).into(),
         },
     }
-}
-
-async fn events_for(client: &Client, name: &str, reason: &str) -> Result<Vec<Event>> {
-    let events: Api<Event> = Api::namespaced(client.clone(), "default");
-    let list = events
-        .list(&ListParams::default().fields(&format!("involvedObject.name={name},reason={reason}")))
-        .await?;
-    Ok(list.items)
-}
-
-async fn wait_event(client: &Client, name: &str, reason: &str) -> Result<Event> {
-    poll(
-        &format!("a {reason} Event on {name}"),
-        Duration::from_secs(30),
-        Duration::from_millis(250),
-        || async move { Ok(events_for(client, name, reason).await?.into_iter().next()) },
-    )
-    .await
 }
 
 fn mtime(path: &Path) -> Result<SystemTime> {

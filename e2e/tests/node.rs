@@ -38,7 +38,7 @@ use anyhow::{Context, Result, bail, ensure};
 use gpupool_crds::node::{GpuMigSpec, MigState, NodeMigSpec, UtilizationSpec};
 use gpupool_crds::policy::{DriverPolicy, MigStrategy};
 use gpupool_crds::{GpuNode, GpuNodeSpec};
-use gpupool_e2e::agent::wait_status;
+use gpupool_e2e::agent::{wait_event, wait_status};
 use gpupool_e2e::kubelet::{
     Agent, AgentSetup, RealKubelet, Runtime, create_pod, delete_pod_and_wait, phase, skip_reason,
     wait_node_resources, wait_pod,
@@ -333,7 +333,13 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
         "the GpuNode to be created",
         Duration::from_secs(30),
         Duration::from_millis(200),
-        || async { Ok(gpunodes.create(&PostParams::default(), &gn).await.ok().map(|_| ())) },
+        || async {
+            Ok(gpunodes
+                .create(&PostParams::default(), &gn)
+                .await
+                .ok()
+                .map(|_| ()))
+        },
     )
     .await?;
     let setup = AgentSetup {
@@ -504,6 +510,29 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
         "e2e: the agent rewrote the deleted CDI spec after {:.1}s",
         removed.elapsed().as_secs_f64()
     );
+    // Reported, not only healed: a Warning Event saying the spec went missing, then the
+    // Normal one when it is back, and the condition True again.
+    let missing = wait_event(&client, &node, "CdiSpecMissing")
+        .await
+        .with_context(|| agent.log_text())?;
+    ensure!(
+        missing.type_.as_deref() == Some("Warning"),
+        "CdiSpecMissing is a {:?} Event",
+        missing.type_
+    );
+    wait_event(&client, &node, "CdiSpecRestored").await?;
+    wait_status(
+        &client,
+        &node,
+        "CdiSpecReady=True after the rewrite",
+        Duration::from_secs(30),
+        |s| {
+            s.conditions
+                .iter()
+                .any(|c| c.type_ == "CdiSpecReady" && c.status == "True")
+        },
+    )
+    .await?;
     let name = scope.name("after-delete");
     let pod = probe_pod(&scope, &name, &node, PROBE, Some(GPU), &dir, false)?;
     let (probe, _) = run_probe(&client, &scope, &kubelet, &pod).await?;
