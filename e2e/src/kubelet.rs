@@ -91,6 +91,10 @@ pub struct RealKubelet {
     pub state_dir: PathBuf,
     /// The only directory the runtime reads CDI specs from (containerd).
     pub cdi_dir: PathBuf,
+    /// The CRI socket.
+    pub cri_socket: PathBuf,
+    /// containerd's `ctr` (containerd only).
+    pub ctr: Option<PathBuf>,
 }
 
 impl RealKubelet {
@@ -144,6 +148,11 @@ impl RealKubelet {
             log: get("KUBELET_LOG")?.into(),
             state_dir: get("KUBELET_STATE_DIR")?.into(),
             cdi_dir: get("KUBELET_CDI_DIR")?.into(),
+            cri_socket: get("KUBELET_CRI_SOCKET")?.into(),
+            ctr: env
+                .get("KUBELET_CTR")
+                .filter(|c| !c.is_empty())
+                .map(PathBuf::from),
         })
     }
 

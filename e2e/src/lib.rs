@@ -23,6 +23,7 @@ pub mod crds;
 pub mod kubectl;
 pub mod kubelet;
 pub mod manifest;
+pub mod node;
 pub mod scope;
 pub mod tools;
 pub mod wait;

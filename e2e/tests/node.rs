@@ -30,33 +30,27 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use gpupool_crds::node::{GpuMigSpec, MigState, NodeMigSpec, UtilizationSpec};
-use gpupool_crds::policy::{DriverPolicy, MigStrategy};
-use gpupool_crds::{GpuNode, GpuNodeSpec};
+use gpupool_crds::node::{GpuMigSpec, MigState, NodeMigSpec};
+use gpupool_crds::policy::MigStrategy;
 use gpupool_e2e::agent::{wait_event, wait_status};
 use gpupool_e2e::kubelet::{
-    Agent, AgentSetup, RealKubelet, Runtime, create_pod, delete_pod_and_wait, phase, skip_reason,
-    wait_node_resources, wait_pod,
+    RealKubelet, Runtime, create_pod, delete_pod_and_wait, phase, skip_reason, wait_node_resources,
+    wait_pod,
 };
+use gpupool_e2e::node::{GpuNodeHost, PROBE_CUDA_ENV_IMAGE, PROBE_IMAGE, probe_pod};
 use gpupool_e2e::wait::poll;
-use gpupool_e2e::{Cluster, TestScope, artifacts, crds, repo_root};
+use gpupool_e2e::{Cluster, TestScope, crds};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
-use kube::api::{Api, DeleteParams, PostParams};
-use serde_json::json;
 
-const DRIVER: &str = "550.54.15";
 const GPU: &str = "nvidia.com/gpu";
 const MIG_1G: &str = "nvidia.com/mig-1g.10gb";
-const PROBE: &str = "gpupool.local/e2e/probe:1";
-const PROBE_CUDA_ENV: &str = "gpupool.local/e2e/probe-cuda-env:1";
-/// Where the pods find the fake NVML's fixture and state (a hostPath volume).
-const FAKE_DIR: &str = "/gpupool-fake";
+/// The C probe, then NVIDIA's Python bindings.
+const PROBE_COMMAND: [&str; 3] = ["/bin/sh", "-c", "/probe && python3 /pyprobe.py"];
 
 /// The probe's `key=value` lines; repeated keys keep every value.
 #[derive(Debug, Default)]
@@ -92,74 +86,6 @@ impl Probe {
             .map(|(p, n)| (p.to_owned(), n.to_owned()))
             .collect()
     }
-}
-
-/// The driver root for the agent: device nodes, ELF libraries with sonames (the fake NVML and
-/// fake CUDA driver as the driver's `libnvidia-ml` and `libcuda`) and its `ld.so.cache`.
-fn driver_root(root: &Path, gpus: u32) -> Result<()> {
-    let nvml = artifacts::fake_nvml_library()?;
-    let cuda = artifacts::fake_cuda_library()?;
-    let options = gpupool_sim::driver_root::BuildOptions {
-        elf_libraries: true,
-        device_nodes: gpupool_sim::driver_root::DeviceNodes::CharDevices,
-        nvml: Some(nvml),
-        cuda: Some(cuda),
-        ldconfig: true,
-    };
-    gpupool_sim::driver_root::build_with(root, DRIVER, gpus, &options)
-        .with_context(|| format!("building the driver root {}", root.display()))
-}
-
-/// What a probe pod looks like: `image`, asking for `resource` (none for a CPU pod), running the
-/// C probe and the Python one; the fake NVML's files come from a hostPath volume.
-fn probe_pod(
-    scope: &TestScope,
-    name: &str,
-    node: &str,
-    image: &str,
-    resource: Option<&str>,
-    fake_dir: &Path,
-    restricted: bool,
-) -> Result<Pod> {
-    let (k, v) = scope.label();
-    let limits = resource.map(|r| json!({ r: "1" })).unwrap_or(json!({}));
-    let mut security = json!({"allowPrivilegeEscalation": false});
-    if restricted {
-        security = json!({
-            "allowPrivilegeEscalation": false,
-            "readOnlyRootFilesystem": true,
-            "runAsUser": 1000,
-            "runAsGroup": 1000,
-            "runAsNonRoot": true,
-            "capabilities": {"drop": ["ALL"]},
-        });
-    }
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": scope.namespace(), "labels": {k: v}},
-        "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": node},
-            "tolerations": [{"key": "e2e.gpupool.io/real-kubelet", "operator": "Exists", "effect": "NoSchedule"}],
-            "automountServiceAccountToken": false,
-            "terminationGracePeriodSeconds": 0,
-            "restartPolicy": "Never",
-            "containers": [{
-                "name": "probe",
-                "image": image,
-                "imagePullPolicy": "Never",
-                "command": ["/bin/sh", "-c", "/probe && python3 /pyprobe.py"],
-                "env": [
-                    {"name": "GPUPOOL_FAKE_NVML_FIXTURE", "value": format!("{FAKE_DIR}/fixture.yaml")},
-                    {"name": "GPUPOOL_FAKE_NVML_STATE", "value": format!("{FAKE_DIR}/nvml-state.json")},
-                ],
-                "resources": {"limits": limits},
-                "securityContext": security,
-                "volumeMounts": [{"name": "fake", "mountPath": FAKE_DIR}],
-            }],
-            "volumes": [{"name": "fake", "hostPath": {"path": fake_dir, "type": "Directory"}}],
-        },
-    }))?)
 }
 
 /// Runs a probe pod to completion and returns what it printed.
@@ -288,85 +214,24 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
     let scope = TestScope::new(cluster, "node")?;
     let kubelet = RealKubelet::up(cluster, Runtime::Containerd)?;
     let node = kubelet.node.clone();
-    let dir = repo_root()
-        .join("target/e2e-node-agent")
-        .join(scope.prefix());
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir)?;
-    let driver = dir.join("driver");
-    driver_root(&driver, 2)?;
-
     // GPU 0 split into three 1g.10gb slices, GPU 1 whole.
-    let gpunodes: Api<GpuNode> = Api::all(client.clone());
-    if gpunodes.get_opt(&node).await?.is_some() {
-        gpunodes.delete(&node, &DeleteParams::default()).await?;
-    }
-    let mut gn = GpuNode::new(
-        &node,
-        GpuNodeSpec {
-            pool: scope.prefix().to_owned(),
-            driver: DriverPolicy {
-                min_version: Some("550".into()),
-                ..DriverPolicy::default()
-            },
-            cdi: Default::default(),
-            mig: NodeMigSpec {
-                strategy: MigStrategy::Mixed,
-                managed: true,
-                layout_name: Some("gpu0-1g".into()),
-                gpus: vec![GpuMigSpec {
-                    index: 0,
-                    enabled: true,
-                    profiles: BTreeMap::from([("1g.10gb".to_owned(), 3)]),
-                }],
-            },
-            utilization: UtilizationSpec {
-                idle_threshold: 5,
-                sample_interval: Duration::from_secs(1).into(),
-            },
-        },
-    );
-    let (k, v) = scope.label();
-    gn.metadata.labels = Some(BTreeMap::from([(k.to_owned(), v.to_owned())]));
-    scope.track_kind("gpunodes.gpupool.io");
-    poll(
-        "the GpuNode to be created",
-        Duration::from_secs(30),
-        Duration::from_millis(200),
-        || async {
-            Ok(gpunodes
-                .create(&PostParams::default(), &gn)
-                .await
-                .ok()
-                .map(|_| ()))
-        },
-    )
-    .await?;
-    let setup = AgentSetup {
-        fixture: format!(
-            "node: {node}\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\n"
-        ),
-        driver_root: driver.clone(),
-        cdi_dir: kubelet.cdi_dir.clone(),
-        nvml_dev_dir: Some(driver.join("dev")),
+    let mig = NodeMigSpec {
+        strategy: MigStrategy::Mixed,
+        managed: true,
+        layout_name: Some("gpu0-1g".into()),
+        gpus: vec![GpuMigSpec {
+            index: 0,
+            enabled: true,
+            profiles: BTreeMap::from([("1g.10gb".to_owned(), 3)]),
+        }],
     };
-    let agent = Agent::start(&dir, &kubelet, cluster, &setup)?;
-    // The pods' processes (uid 1000 in one) share the fake NVML's state with the agent.
-    fs::set_permissions(&dir, fs::Permissions::from_mode(0o777))?;
+    let host = GpuNodeHost::start(cluster, &scope, &kubelet, 2, mig, |s| {
+        s.mig.state == MigState::Applied && s.gpus.first().is_some_and(|g| g.mig_devices.len() == 3)
+    })
+    .await?;
+    let (agent, dir, driver) = (&host.agent, &host.dir, &host.driver_root);
 
     // 1. Capacity.
-    let status = wait_status(
-        &client,
-        &node,
-        "MIG Applied on GPU 0",
-        Duration::from_secs(90),
-        |s| {
-            s.mig.state == MigState::Applied
-                && s.gpus.first().is_some_and(|g| g.mig_devices.len() == 3)
-        },
-    )
-    .await
-    .with_context(|| agent.log_text())?;
     wait_node_resources(
         &client,
         &node,
@@ -376,15 +241,8 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
     )
     .await
     .with_context(|| agent.log_text())?;
-    for f in ["nvml-state.json", "nvml-state.json.lock"] {
-        if let Ok(m) = fs::metadata(dir.join(f)) {
-            let mut p = m.permissions();
-            p.set_mode(0o666);
-            fs::set_permissions(dir.join(f), p)?;
-        }
-    }
-    let status = status.status.unwrap_or_default();
-    let gpu1_uuid = status
+    let gpu1_uuid = host
+        .status
         .gpus
         .get(1)
         .map(|g| g.uuid.clone())
@@ -395,7 +253,16 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
 
     // 2. A whole GPU on a plain Debian image.
     let name = scope.name("whole");
-    let pod = probe_pod(&scope, &name, &node, PROBE, Some(GPU), &dir, false)?;
+    let pod = probe_pod(
+        &scope,
+        &name,
+        &node,
+        PROBE_IMAGE,
+        &PROBE_COMMAND,
+        Some(GPU),
+        dir,
+        false,
+    )?;
     let (probe, _) = run_probe(&client, &scope, &kubelet, &pod).await?;
     check_devices(&probe, &name, &whole)?;
     check_driver_loads(&probe, &name)?;
@@ -413,7 +280,16 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
 
     // 3. The same, read-only root file system and a non-root user.
     let name = scope.name("restricted");
-    let pod = probe_pod(&scope, &name, &node, PROBE, Some(GPU), &dir, true)?;
+    let pod = probe_pod(
+        &scope,
+        &name,
+        &node,
+        PROBE_IMAGE,
+        &PROBE_COMMAND,
+        Some(GPU),
+        dir,
+        true,
+    )?;
     let (probe, _) = run_probe(&client, &scope, &kubelet, &pod).await?;
     ensure!(probe.one("uid")? == "1000", "{name}: not running as 1000");
     check_devices(&probe, &name, &whole)?;
@@ -423,7 +299,16 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
     // 4. An image with NVIDIA's CUDA-image LD_LIBRARY_PATH: kept as the image set it, and the
     // loader takes the driver from /usr/local/nvidia/lib64.
     let name = scope.name("cuda-env");
-    let pod = probe_pod(&scope, &name, &node, PROBE_CUDA_ENV, Some(GPU), &dir, false)?;
+    let pod = probe_pod(
+        &scope,
+        &name,
+        &node,
+        PROBE_CUDA_ENV_IMAGE,
+        &PROBE_COMMAND,
+        Some(GPU),
+        dir,
+        false,
+    )?;
     let (probe, _) = run_probe(&client, &scope, &kubelet, &pod).await?;
     check_driver_loads(&probe, &name)?;
     ensure!(
@@ -442,7 +327,16 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
 
     // 5. A MIG slice: the parent's node and the slice's capability nodes only.
     let name = scope.name("mig");
-    let pod = probe_pod(&scope, &name, &node, PROBE, Some(MIG_1G), &dir, false)?;
+    let pod = probe_pod(
+        &scope,
+        &name,
+        &node,
+        PROBE_IMAGE,
+        &PROBE_COMMAND,
+        Some(MIG_1G),
+        dir,
+        false,
+    )?;
     create_pod(&client, &scope, &pod).await?;
     let done = wait_pod(
         &client,
@@ -470,7 +364,7 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
     );
     let mut slices = Vec::new();
     for gi in 0..15 {
-        slices.push(mig_cap_minors(&driver, 0, gi, 0)?);
+        slices.push(mig_cap_minors(driver, 0, gi, 0)?);
     }
     let got: BTreeSet<String> = caps
         .iter()
@@ -534,12 +428,22 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
     )
     .await?;
     let name = scope.name("after-delete");
-    let pod = probe_pod(&scope, &name, &node, PROBE, Some(GPU), &dir, false)?;
+    let pod = probe_pod(
+        &scope,
+        &name,
+        &node,
+        PROBE_IMAGE,
+        &PROBE_COMMAND,
+        Some(GPU),
+        dir,
+        false,
+    )?;
     let (probe, _) = run_probe(&client, &scope, &kubelet, &pod).await?;
     check_driver_loads(&probe, &name)?;
     delete_pod_and_wait(&client, &scope, &name).await?;
 
-    drop(agent);
+    let dir = dir.clone();
+    drop(host);
     let _ = fs::remove_dir_all(&dir);
     Ok(())
 }
