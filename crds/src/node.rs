@@ -103,6 +103,11 @@ impl Default for UtilizationSpec {
     }
 }
 
+/// The GpuNode condition the agent sets on whether the CDI spec the runtime reads is its own and
+/// resolvable (False: deleted, edited, invalid, or another spec claims the same devices). The
+/// operator holds the pool's `CDIReady` False while it is.
+pub const CDI_SPEC_READY: &str = "CdiSpecReady";
+
 /// What the node agent observes.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]

@@ -4,7 +4,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpupool_crds::conditions::{Observed, condition, set_condition};
-use gpupool_crds::node::{GpuNode, GpuNodeSpec, Health, MigState, UtilizationSpec, Verdict};
+use gpupool_crds::node::{
+    CDI_SPEC_READY, GpuNode, GpuNodeSpec, Health, MigState, UtilizationSpec, Verdict,
+};
 use gpupool_crds::pool::{
     DriverVersionCount, GpuCounts, GpuPool, GpuPoolStatus, MigProgress, NodeProblem, ReclaimStatus,
 };
@@ -247,7 +249,19 @@ fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -
                 );
                 false
             }
-            Some(_) => true,
+            Some(_) => match status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == CDI_SPEC_READY && c.status == "False")
+            {
+                // Written, but not what the runtime will read: deleted, edited, or claimed by
+                // another spec. The agent's message says what to fix.
+                Some(c) => {
+                    problem("CDISpecNotReady", format!("{}: {}", c.reason, c.message));
+                    false
+                }
+                None => true,
+            },
         }
     } else {
         true
@@ -660,7 +674,7 @@ pub(crate) mod tests {
     use gpupool_crds::policy::{MigLayout, MigPolicy, MigStrategy};
     use gpupool_crds::pool::GpuPoolSpec;
     use gpupool_crds::testing::healthy_status;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, Time};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
 
     pub(crate) fn ts(s: &str) -> Timestamp {
         s.parse().unwrap()
@@ -846,6 +860,18 @@ pub(crate) mod tests {
         if let Some(s) = stale_cdi.status.as_mut() {
             s.mig.observed_generation = Some(2);
         }
+        // Current by generation, but the agent found its spec claimed by another file.
+        let mut conflicting_cdi = ready_gpunode(&p, "n6");
+        if let Some(s) = conflicting_cdi.status.as_mut() {
+            s.conditions.push(Condition {
+                type_: CDI_SPEC_READY.into(),
+                status: "False".into(),
+                reason: "SpecConflict".into(),
+                message: "/etc/cdi/other.yaml also defines gpupool.io/gpu=0".into(),
+                last_transition_time: Time(ts("2026-01-01T00:00:00Z")),
+                observed_generation: None,
+            });
+        }
 
         let all_good = pool_status(&input(
             &p,
@@ -866,15 +892,16 @@ pub(crate) mod tests {
                 member("n3", Some(&applying)),
                 member("n4", Some(&stale_cdi)),
                 member("n5", None),
+                member("n6", Some(&conflicting_cdi)),
             ],
         ));
         assert_eq!(condition_status(&st, "Ready"), Some("False"));
         assert_eq!(condition_status(&st, "DriverValid"), Some("False"));
         assert_eq!(condition_status(&st, "MIGApplied"), Some("False"));
         assert_eq!(condition_status(&st, "CDIReady"), Some("False"));
-        assert_eq!(st.nodes.as_deref(), Some("1/5"));
-        // n1, n2 and n4 have the layout; n3 is applying, n5 has not reported.
-        assert_eq!(st.mig.summary.as_deref(), Some("all-1g.10gb 3/5"));
+        assert_eq!(st.nodes.as_deref(), Some("1/6"));
+        // n1, n2, n4 and n6 have the layout; n3 is applying, n5 has not reported.
+        assert_eq!(st.mig.summary.as_deref(), Some("all-1g.10gb 4/6"));
         assert_eq!(st.mig.pending, 2, "n3 applying, n5 not reported");
         assert_eq!(st.driver.as_deref(), Some("535.104.05, 550.54.15"));
         let reasons: Vec<(&str, &str)> = st
@@ -887,7 +914,8 @@ pub(crate) mod tests {
             vec![
                 ("n2", "DriverCheckFailed"),
                 ("n4", "CDISpecStale"),
-                ("n5", "NotReported")
+                ("n5", "NotReported"),
+                ("n6", "CDISpecNotReady")
             ]
         );
         assert_eq!(

@@ -153,8 +153,7 @@ pub fn set_condition(
     conditions.sort_by(|a, b| a.type_.cmp(&b.type_));
 }
 
-/// The condition saying whether the CDI spec the runtime reads is the agent's and resolvable.
-pub const CDI_SPEC_READY: &str = "CdiSpecReady";
+pub use gpupool_crds::node::CDI_SPEC_READY;
 
 /// Everything GpuNode status is built from: what each of the agent's jobs last saw.
 pub struct StatusInputs<'a> {
