@@ -142,11 +142,12 @@ const CONFIG_FILES: [(&[&str], Option<&str>); 9] = [
     ),
     (&["etc/OpenCL/vendors/nvidia.icd"], None),
     (
+        // Xorg reads both directories; the container gets it where nvidia-ctk puts it.
         &[
             "etc/X11/xorg.conf.d/10-nvidia.conf",
             "usr/share/X11/xorg.conf.d/10-nvidia.conf",
         ],
-        None,
+        Some("/usr/share/X11/xorg.conf.d/10-nvidia.conf"),
     ),
 ];
 

@@ -182,7 +182,7 @@ fn is_void_mount(m: &(String, String)) -> bool {
 
 /// Driver files one side mounts and the other does not, by design: the host path's file
 /// name (or its end) and why.
-const DELIBERATE_FILES: [(&str, &str, &str); 2] = [
+const DELIBERATE_FILES: [(&str, &str, &str); 3] = [
     (
         "nvidia",
         "/dev/null",
@@ -194,6 +194,12 @@ const DELIBERATE_FILES: [(&str, &str, &str); 2] = [
         "/etc/OpenCL/vendors/nvidia.icd",
         "we also mount the OpenCL ICD file, without which an OpenCL loader in the image cannot \
          find libnvidia-opencl; nvidia-ctk mounts no OpenCL ICD",
+    ),
+    (
+        "gpupool",
+        "/tmp/nvidia-mps",
+        "we mount the MPS pipe directory, through which MPS clients in the container reach the \
+         node's MPS control daemon; nvidia-ctk mounted none from this driver root",
     ),
 ];
 
@@ -270,14 +276,17 @@ fn compare_mounts(report: &mut Report, s: &str, nvidia: &Normalized, ours: &Norm
                 name.split_once(".so").map(|(s, _)| s.to_owned())
             };
             let explained = o.iter().all(|(c, h)| {
-                (stem(c).is_some() && stem(c) == stem(h)) || c == "/etc/OpenCL/vendors/nvidia.icd"
+                (stem(c).is_some() && stem(c) == stem(h))
+                    || c == "/etc/OpenCL/vendors/nvidia.icd"
+                    || c == "/tmp/nvidia-mps"
             });
             explained.then(|| {
                 "each driver library is also mounted under its soname (and libcuda.so) in \
                  /usr/local/nvidia/lib64 (on the LD_LIBRARY_PATH of NVIDIA's CUDA and pytorch \
                  images) and in /usr/lib/<multiarch> and /usr/lib64 (glibc's default search), \
                  where nvidia-ctk mounts host paths only and relies on its create-symlinks and \
-                 update-ldcache hooks; plus the OpenCL ICD file (see the hostPath row)"
+                 update-ldcache hooks; plus the OpenCL ICD file and the MPS pipe directory (see \
+                 the hostPath row)"
                     .to_owned()
             })
         },
