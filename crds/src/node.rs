@@ -13,6 +13,7 @@ use std::fmt;
 /// Named after its Node.
 #[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
+    doc = "A GpuNode is one GPU node as gpupool manages it, named after its Node. The operator writes its spec from the node's GpuPool (edit the pool, not this); the node's gpupool agent reports the GPUs, driver, MIG state and checks in its status.",
     group = "gpupool.io",
     version = "v1alpha1",
     kind = "GpuNode",

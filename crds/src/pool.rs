@@ -6,10 +6,11 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// A pool of GPU nodes chosen by a label selector, with the driver, CDI, MIG and
+/// The pool's nodes, chosen by a label selector, and the driver, CDI, MIG and
 /// idle-reclaim policies that gpupool enforces on them.
 #[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[kube(
+    doc = "A GpuPool is a set of GPU nodes, chosen by label, on which gpupool checks the driver, writes CDI specs, lays out MIG and reclaims GPUs from idle pods. Its status counts the pool's nodes and GPUs and says whether they are ready.",
     group = "gpupool.io",
     version = "v1alpha1",
     kind = "GpuPool",

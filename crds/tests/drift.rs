@@ -75,3 +75,45 @@ fn generated_crds_carry_printer_columns_short_names_and_cel() {
             && nodes.contains("status: {}")
     );
 }
+
+/// `kubectl explain gpupool` / `gpunode` print the root and `spec` descriptions first: they are
+/// sentences a user understands, not kube-derive's "Auto-generated derived type" default.
+#[test]
+fn explain_starts_with_human_sentences() {
+    use kube::CustomResourceExt;
+    for (crd, root, spec) in [
+        (
+            gpupool_crds::GpuPool::crd(),
+            "A GpuPool is a set of GPU nodes",
+            "The pool's nodes, chosen by a label selector",
+        ),
+        (
+            gpupool_crds::GpuNode::crd(),
+            "A GpuNode is one GPU node as gpupool manages it",
+            "The desired state of one GPU node",
+        ),
+    ] {
+        let schema = crd.spec.versions[0]
+            .schema
+            .as_ref()
+            .and_then(|s| s.open_api_v3_schema.as_ref())
+            .expect("schema");
+        let spec_schema = schema
+            .properties
+            .as_ref()
+            .and_then(|p| p.get("spec"))
+            .expect("spec");
+        for (what, text, start) in [
+            ("root", &schema.description, root),
+            ("spec", &spec_schema.description, spec),
+        ] {
+            let text = text.as_deref().unwrap_or_default();
+            let name = &crd.spec.names.kind;
+            assert!(
+                text.starts_with(start) && !text.contains("Auto-generated"),
+                "{name} {what} description: {text:?}"
+            );
+            assert!(text.trim_end().ends_with('.'), "{name} {what}: a sentence");
+        }
+    }
+}

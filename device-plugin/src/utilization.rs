@@ -72,7 +72,12 @@ pub fn sample(
                             ),
                         }
                     }
-                    Err(_) => DeviceSample::default(),
+                    // An unreadable process list says nothing: unknown, never idle.
+                    Err(_) => DeviceSample {
+                        activity: Activity::Unknown,
+                        utilization_percent: None,
+                        memory_used_mib: None,
+                    },
                 };
                 out.insert(mig.uuid.to_string(), sample);
             }
@@ -210,6 +215,34 @@ mod tests {
         round(&mut t, Activity::Idle, 0);
         let u = round(&mut t, Activity::Unknown, 10);
         assert_eq!((u.activity, u.idle_since), (Activity::Unknown, None));
+    }
+
+    #[test]
+    fn a_mig_device_whose_processes_cannot_be_read_is_unknown_not_idle() {
+        use crate::backend::{
+            CiProfileId, Fault, FaultKind, GiProfileId, ManualSimClock, SimBackend,
+        };
+        let fixture = serde_yaml::from_str(
+            "driver: {version: \"550.54.15\", cuda: \"12.4\"}\n\
+             gpus: [{model: A30-24GB, mig_enabled: true}]\n",
+        )
+        .unwrap();
+        let sim = SimBackend::new(fixture, std::sync::Arc::new(ManualSimClock::new())).unwrap();
+        let gi = sim.create_gpu_instance(0, GiProfileId(0), None).unwrap();
+        sim.create_compute_instance(0, gi.id, CiProfileId(0))
+            .unwrap();
+        let inventory = Inventory::read(&sim).unwrap();
+        let mig = inventory.gpus[0].mig_devices[0].uuid.to_string();
+        assert_eq!(sample(&sim, &inventory, 0)[&mig].activity, Activity::Idle);
+
+        // Every query now fails, the process list included.
+        sim.inject(Fault::gpu(0, FaultKind::FallenOffBus)).unwrap();
+        let after = sample(&sim, &inventory, 0);
+        assert_eq!(after[&mig].activity, Activity::Unknown);
+        assert_eq!(
+            after[&inventory.gpus[0].device.uuid.to_string()].activity,
+            Activity::Unknown
+        );
     }
 
     #[test]

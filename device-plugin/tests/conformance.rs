@@ -1008,3 +1008,102 @@ fn fake_nvml_has_the_drivers_soname() {
         "{text}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// PID namespaces: the driver lists only processes whose PID the caller's namespace holds, so an
+// agent without `hostPID` sees none (`pid_namespace` in the fixture).
+// ---------------------------------------------------------------------------------------------
+
+/// `faults.yaml` (GPU 0 runs pid 2001 at 10 s) as `name` in `dir`, its processes in PID
+/// namespace `owner` when given.
+fn pid_namespace_fixture(dir: &Path, name: &str, owner: Option<&str>) -> PathBuf {
+    let base = std::fs::read_to_string(fixture_path("faults.yaml")).unwrap();
+    let head = owner.map_or_else(String::new, |ns| format!("pid_namespace: \"{ns}\"\n"));
+    let path = dir.join(name);
+    std::fs::write(&path, format!("{head}{base}")).unwrap();
+    path
+}
+
+/// How many processes `NvmlBackend` over the fake lists on GPU 0 of `fixture` at 10 s.
+fn processes_on_gpu0(fixture: &Path) -> usize {
+    let h = fake_harness(fixture);
+    h.set_time(10.0);
+    h.backend().processes(0).unwrap().len()
+}
+
+/// Run in a child PID namespace by `fake_nvml_lists_processes_only_in_their_pid_namespace`:
+/// prints what `processes_on_gpu0` says of `GPUPOOL_PIDNS_PROBE_FIXTURE`.
+#[test]
+#[ignore = "a probe the PID-namespace test runs in a child namespace"]
+fn pid_namespace_probe() {
+    if let Some(fixture) = std::env::var_os("GPUPOOL_PIDNS_PROBE_FIXTURE") {
+        println!("PROBE processes={}", processes_on_gpu0(Path::new(&fixture)));
+    }
+}
+
+#[test]
+fn fake_nvml_lists_processes_only_in_their_pid_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    let own = std::fs::read_link("/proc/self/ns/pid").unwrap();
+    let own = own.to_str().unwrap();
+    let ours = pid_namespace_fixture(dir.path(), "ours.yaml", Some(own));
+    let elsewhere = pid_namespace_fixture(dir.path(), "elsewhere.yaml", Some("pid:[1]"));
+    let unset = pid_namespace_fixture(dir.path(), "unset.yaml", None);
+    assert_eq!(processes_on_gpu0(&ours), 1);
+    assert_eq!(processes_on_gpu0(&elsewhere), 0);
+    assert_eq!(
+        processes_on_gpu0(&unset),
+        1,
+        "unset: every caller sees them"
+    );
+
+    // An agent in a child PID namespace (a pod without hostPID) sees none of ours.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipping the child-namespace half: unshare --pid needs root");
+        return;
+    }
+    let unshare = || {
+        let mut c = std::process::Command::new("unshare");
+        c.args(["--pid", "--fork", "--mount-proc"]);
+        c
+    };
+    match unshare().arg("true").status() {
+        Ok(s) if s.success() => {}
+        other => {
+            println!(
+                "skipping the child-namespace half: unshare --pid --fork --mount-proc: {other:?}"
+            );
+            return;
+        }
+    }
+    let exe = std::env::current_exe().unwrap();
+    let probe = |fixture: &Path| -> Result<usize, String> {
+        let out = unshare()
+            .arg(&exe)
+            .args(["--exact", "pid_namespace_probe", "--ignored", "--nocapture"])
+            .env("GPUPOOL_PIDNS_PROBE_FIXTURE", fixture)
+            .env("GPUPOOL_FAKE_NVML_LIB", fake_library())
+            .output()
+            .map_err(|e| format!("running unshare: {e}"))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("PROBE processes="))
+            .and_then(|n| n.trim().parse().ok())
+            .ok_or_else(|| {
+                format!(
+                    "unshare exited {}: {}{}",
+                    out.status,
+                    stdout,
+                    String::from_utf8_lossy(&out.stderr)
+                )
+            })
+    };
+    assert_eq!(
+        probe(&ours),
+        Ok(0),
+        "a child PID namespace sees none of ours"
+    );
+    assert_eq!(probe(&unset), Ok(1), "unset: the child sees them too");
+}

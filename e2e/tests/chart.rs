@@ -139,6 +139,8 @@ fn default_render_has_the_documented_shape() -> Result<()> {
     let ds = find("DaemonSet", "gpupool-agent")?;
     let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(pod["priorityClassName"], "system-node-critical");
+    // NVML lists only the processes in the caller's PID namespace.
+    assert_eq!(pod["hostPID"], true);
     let terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         ["nodeSelectorTerms"]
         .as_array()

@@ -27,6 +27,12 @@ pub struct Fixture {
     /// the fake only; `SimBackend` always sees every GPU).
     #[serde(default)]
     pub device_nodes: DeviceNodes,
+    /// The PID namespace the fixture's processes run in, as `readlink /proc/self/ns/pid` prints
+    /// it (`pid:[4026531836]`). Read by the fake `libnvidia-ml.so` only: like the driver, it
+    /// lists processes only to a caller in that namespace, so an agent without `hostPID` sees
+    /// none. Unset, every caller sees them (`SimBackend` always does).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid_namespace: Option<String>,
 }
 
 /// How the fake `libnvidia-ml.so` decides which GPUs the calling process sees.

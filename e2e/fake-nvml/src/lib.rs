@@ -17,6 +17,8 @@
 //!   there (a character device, unless the fixture's `device_nodes` says `files` or
 //!   `ignored`), decided at `nvmlInit`: indices are dense over those GPUs, and a UUID or bus ID
 //!   of another GPU, or of a MIG device on one, is not found.
+//! - The fixture's `pid_namespace`: as the driver lists only processes whose PID the caller
+//!   sees, a caller outside that PID namespace gets no processes (unset: every caller does).
 //!
 //! nvml-wrapper-sys looks every symbol up when the library is loaded and keeps the missing ones
 //! as errors, so loading succeeds with this subset; a function we lack fails when called.
@@ -88,6 +90,8 @@ struct Ctx {
     node: Node,
     /// Fixture indices of the GPUs this process sees, in NVML index order.
     visible: Vec<u32>,
+    /// Whether this process is in the fixture's PID namespace, so its processes are listed.
+    sees_processes: bool,
     state: StateFile,
     start: Instant,
 }
@@ -138,6 +142,23 @@ impl Ctx {
     }
 }
 
+/// Whether the calling process runs in PID namespace `owner` (`pid:[inode]`), where the
+/// fixture's processes live. The driver lists only processes whose PID the caller can see; the
+/// fake does not model an ancestor namespace seeing a child's processes, so any other namespace
+/// sees none. No `owner`: every caller sees them.
+fn in_pid_namespace(owner: Option<&str>) -> bool {
+    let Some(owner) = owner else {
+        return true;
+    };
+    match std::fs::read_link("/proc/self/ns/pid") {
+        Ok(own) => own.as_os_str() == owner,
+        Err(e) => {
+            eprintln!("fake libnvidia-ml: reading /proc/self/ns/pid: {e}; listing no processes");
+            false
+        }
+    }
+}
+
 fn init() -> R {
     let mut g = global();
     if g.ctx.is_some() {
@@ -164,9 +185,11 @@ fn init() -> R {
     let dev_dir = std::env::var_os("GPUPOOL_FAKE_NVML_DEV_DIR")
         .map_or_else(|| PathBuf::from("/dev"), PathBuf::from);
     let visible = node.visible_gpus(&dev_dir);
+    let sees_processes = in_pid_namespace(node.fixture.pid_namespace.as_deref());
     g.ctx = Some(Arc::new(Ctx {
         node,
         visible,
+        sees_processes,
         state,
         start: Instant::now(),
     }));
@@ -709,6 +732,8 @@ export! {
         let (state, now) = c.read()?;
         let procs: Vec<_> = sim(state.processes(&c.node, g, now))?
             .into_iter()
+            // The driver lists only processes whose PID the caller's namespace holds.
+            .filter(|_| c.sees_processes)
             .filter(|p| only.is_none_or(|(gi, ci)| p.gpu_instance == Some(gi) && p.compute_instance == Some(ci)))
             .collect();
         if count.is_null() {
