@@ -37,7 +37,9 @@
 # aarch64-unknown-linux-gnu`) and a cross linker (Debian's gcc-aarch64-linux-gnu, with
 # CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc), then
 # `mmdebstrap --architectures=arm64` for the base, which extracts without running anything.
-# Neither is installed on the machine this was written on.
+# What blocks it on the machine this was written on: only x86_64-unknown-linux-gnu is in
+# `rustup target list --installed`, and gcc-aarch64-linux-gnu (Debian 4:12.2.0-3) is available
+# from apt but not installed.
 #
 # Environment:
 #   GPUPOOL_DEBIAN_MIRROR   Debian mirror (default http://deb.debian.org/debian)
