@@ -29,7 +29,9 @@
 # builds of the same commit on the same day give the same manifest digests. Across days the
 # Debian mirror moves on; for a fixed base set GPUPOOL_DEBIAN_MIRROR to a
 # snapshot.debian.org URL. The binaries are as reproducible as the Rust build (same
-# toolchain, same source and target paths).
+# toolchain, same source and target paths). cargo sees SOURCE_DATE_EPOCH too (the cc crate
+# hands it to the C compilers of ring, aws-lc-sys and psm), so after each new commit those
+# crates and everything above them rebuild: about 5 minutes on 2 cores, 13 from nothing.
 #
 # Needs: root (mmdebstrap's root mode), mmdebstrap, cargo, python3 (verify), tar, gzip, jq.
 #
