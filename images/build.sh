@@ -10,8 +10,9 @@
 #
 # Usage: images/build.sh [--check] [--out DIR]
 #        images/build.sh verify ARCHIVE...
-#   --check   after building, verify the archives (images/verify.py) and fail on any mismatch
-#   verify    only verify existing archives
+#   --check   after building, verify the archives (images/verify.py) and fail on any mismatch;
+#             then check that the verifier rejects tampered copies of the first one
+#   verify    only verify existing archives (and run that self-test)
 #
 # Layers: a base (Debian bookworm's libc6, libgcc-s1, ca-certificates, tzdata, base-files,
 # netbase, unpacked by `mmdebstrap --variant=extract`: no shell, no dpkg, no package manager,
@@ -241,6 +242,8 @@ cmd_build() {
 cmd_verify() {
     (($#)) || die "verify: no archives given"
     python3 "$ROOT/images/verify.py" "$@" || die "verification failed"
+    # The checks themselves must catch a broken archive.
+    python3 "$ROOT/images/verify.py" --self-test "$1" || die "the verifier's self-test failed"
 }
 
 CHECK=0

@@ -7,6 +7,9 @@ the digests of the uncompressed layers; the binary the image's Entrypoint names 
 executable file in a layer; the user is 65532:65532 for the operator and root for the agent, and
 that user is in /etc/passwd; the OCI annotations and io.containerd.image.name are present.
 Prints each image's name and manifest digest.
+
+Usage: verify.py ARCHIVE...  |  verify.py --self-test ARCHIVE (a good archive passes, and copies
+with a changed blob, another user, a missing annotation fail)
 """
 
 import gzip
@@ -102,7 +105,76 @@ def verify(path):
     print(f"ok  {ref}  {mdesc['digest']}")
 
 
+def rewrite(path, out, edit):
+    """Copies an archive to out after edit(files) changed its {name: bytes}."""
+    with tarfile.open(path) as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
+    edit(files)
+    with tarfile.open(out, "w") as tar:
+        for name, data in sorted(files.items()):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def put(files, data):
+    digest = hashlib.sha256(data).hexdigest()
+    files["blobs/sha256/" + digest] = data
+    return {"digest": "sha256:" + digest, "size": len(data)}
+
+
+def self_test(path):
+    """The verifier must reject a blob whose content changed and, digests kept consistent, a
+    config with another user or without an annotation."""
+    import tempfile
+
+    def manifest_of(files):
+        index = json.loads(files["index.json"])
+        return index, json.loads(files["blobs/sha256/" + index["manifests"][0]["digest"][7:]])
+
+    def corrupt_blob(files):
+        _, manifest = manifest_of(files)
+        name = "blobs/sha256/" + manifest["config"]["digest"][7:]
+        files[name] = files[name] + b" "
+
+    def consistent(change):
+        def edit(files):
+            index, manifest = manifest_of(files)
+            config = json.loads(files["blobs/sha256/" + manifest["config"]["digest"][7:]])
+            change(config, manifest)
+            manifest["config"].update(put(files, json.dumps(config).encode()))
+            index["manifests"][0].update(put(files, json.dumps(manifest).encode()))
+            files["index.json"] = json.dumps(index).encode()
+        return edit
+
+    def other_user(config, _):
+        config["config"]["User"] = "12345:12345"
+
+    def no_revision(_, manifest):
+        del manifest["annotations"]["org.opencontainers.image.revision"]
+
+    verify(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, edit in (("changed blob", corrupt_blob), ("other user", consistent(other_user)),
+                            ("no revision annotation", consistent(no_revision))):
+            out = f"{tmp}/bad.tar"
+            rewrite(path, out, edit)
+            try:
+                verify(out)
+            except Bad as e:
+                print(f"ok  rejects {label}: {e}")
+                continue
+            raise Bad(f"self-test: an archive with {label} passed")
+
+
 def main(paths):
+    if paths[:1] == ["--self-test"]:
+        try:
+            self_test(paths[1])
+        except Bad as e:
+            print(f"FAIL {e}", file=sys.stderr)
+            return 1
+        return 0
     failed = False
     for path in paths:
         try:
