@@ -58,13 +58,13 @@ fn bench(name: &str, inv: &Inventory) -> Result<(), Box<dyn std::error::Error>> 
     for round in 0..ROUNDS {
         let dir = tmp.path().join(format!("cdi-{round}"));
         let start = Instant::now();
-        let out = cdi::generate_and_write(inv, &root, &dir, &opts)?;
+        let out = cdi::generate_and_write(inv, &cdi::DriverRoot::direct(&root), &dir, &opts)?;
         fresh.push(start.elapsed());
         assert!(out.written.changed);
         assert!(out.skipped.is_empty(), "{:?}", out.skipped);
         devices = out.device_names.len();
         let start = Instant::now();
-        let again = cdi::generate_and_write(inv, &root, &dir, &opts)?;
+        let again = cdi::generate_and_write(inv, &cdi::DriverRoot::direct(&root), &dir, &opts)?;
         unchanged.push(start.elapsed());
         assert!(!again.written.changed);
     }

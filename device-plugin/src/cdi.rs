@@ -39,8 +39,10 @@ use crate::plugin::CdiKind;
 
 pub mod elf;
 pub mod ldcache;
+pub mod root;
 
 use ldcache::{CacheFlags, LdCache};
+pub use root::{DriverRoot, find_nvml_library};
 
 /// File name of the spec gpupool writes.
 pub const SPEC_FILE_NAME: &str = "gpupool-nvidia.yaml";
@@ -1319,13 +1321,16 @@ pub struct SpecOutcome {
 /// Discovers host files, builds, validates and writes the spec.
 pub fn generate_and_write(
     inventory: &Inventory,
-    driver_root: &Path,
+    driver_root: &DriverRoot,
     spec_dir: &Path,
     options: &CdiOptions,
 ) -> Result<SpecOutcome, CdiError> {
-    let minors = read_mig_minors(driver_root)?;
+    let local = driver_root.local();
+    let minors = read_mig_minors(local)?;
     let wanted = wanted_device_nodes(inventory, &minors);
-    let host = discover_host_files(driver_root, &inventory.driver.driver_version, &wanted)?;
+    let found = discover_host_files(local, &inventory.driver.driver_version, &wanted)?;
+    // Found where this process reads the root; the spec names them as the host does.
+    let host = driver_root.relocate(found);
     let generated = cdi_spec(inventory, &minors, &host, options)?;
     let path = spec_dir.join(SPEC_FILE_NAME);
     validate_spec(&generated.spec, &path)?;

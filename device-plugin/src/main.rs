@@ -11,6 +11,8 @@ use gpupool_device_plugin::agent::{Agent, AgentConfig};
 use gpupool_device_plugin::backend::{
     GpuBackend, NvmlBackend, NvmlOptions, SimBackend, SystemSimClock,
 };
+use gpupool_device_plugin::cdi::root::NVML_SONAME;
+use gpupool_device_plugin::cdi::{DriverRoot, find_nvml_library};
 use gpupool_device_plugin::kmsg;
 use gpupool_device_plugin::metrics_http::{self, AgentMetrics};
 use tokio_util::sync::CancellationToken;
@@ -38,7 +40,9 @@ struct Cli {
     /// Fixture for the simulated backend.
     #[arg(long, env = "GPUPOOL_FIXTURE", required_if_eq("backend", "sim"))]
     fixture: Option<PathBuf>,
-    /// NVML library to load (path or file name); the driver's `libnvidia-ml.so` by default.
+    /// NVML library to load (path or file name). By default, with `--host-root`, the driver
+    /// root's `libnvidia-ml.so.1` by full path (found through its ld.so.cache, else the usual
+    /// library directories); without it, `libnvidia-ml.so.1` through the loader's path.
     #[arg(long, env = "GPUPOOL_NVML_LIBRARY")]
     nvml_lib: Option<PathBuf>,
     /// Kubelet root directory (device plugin sockets live in `<dir>/device-plugins`).
@@ -53,6 +57,11 @@ struct Cli {
     /// Overrides the GpuNode's `cdi.driverRoot`.
     #[arg(long, env = "GPUPOOL_DRIVER_ROOT")]
     driver_root: Option<PathBuf>,
+    /// Where the host's `/` is mounted in this container (the chart: `/host`). The driver
+    /// root is read under it, NVML is loaded from it, and the CDI spec still names host
+    /// paths, so the agent runs on its own image's libraries whatever the host's are.
+    #[arg(long, env = "GPUPOOL_HOST_ROOT")]
+    host_root: Option<PathBuf>,
     /// Where the host's `/proc` is mounted.
     #[arg(long, env = "GPUPOOL_PROC_ROOT", default_value = "/proc")]
     proc_root: PathBuf,
@@ -117,11 +126,50 @@ fn open_backend(cli: &Cli) -> Result<Arc<dyn GpuBackend>, String> {
                 .map_err(|e| e.to_string())
         }
         BackendKind::Nvml => NvmlBackend::new(&NvmlOptions {
-            library: cli.nvml_lib.clone(),
+            library: nvml_library(cli)?,
         })
         .map(|b| Arc::new(b) as Arc<dyn GpuBackend>)
         .map_err(|e| e.to_string()),
     }
+}
+
+/// Driver roots where NVML is looked for when `--driver-root` does not say: a containerized
+/// driver's, then a driver installed on the host.
+const NVML_ROOTS: [&str; 2] = ["/run/nvidia/driver", "/"];
+
+/// The NVML library to load: `--nvml-lib`, else (with `--host-root`) the driver root's, by
+/// full path, so that it is never looked for on the image's own loader path. The driver root
+/// is `--driver-root`, else the first of [`NVML_ROOTS`] that holds NVML.
+fn nvml_library(cli: &Cli) -> Result<Option<PathBuf>, String> {
+    if let Some(lib) = &cli.nvml_lib {
+        return Ok(Some(lib.clone()));
+    }
+    let Some(host_root) = &cli.host_root else {
+        return Ok(None);
+    };
+    let candidates: Vec<PathBuf> = match &cli.driver_root {
+        Some(root) => vec![root.clone()],
+        None => NVML_ROOTS.iter().map(PathBuf::from).collect(),
+    };
+    let mut looked = Vec::new();
+    for driver_root in &candidates {
+        let root = DriverRoot::new(Some(host_root), driver_root).map_err(|e| e.to_string())?;
+        if let Some(lib) = find_nvml_library(root.local()) {
+            tracing::info!(driver_root = %driver_root.display(), library = %lib.display(), "NVML found");
+            return Ok(Some(lib));
+        }
+        looked.push(format!(
+            "{} (read at {})",
+            driver_root.display(),
+            root.local().display()
+        ));
+    }
+    Err(format!(
+        "no {NVML_SONAME} in driver root {}: neither its ld.so.cache nor the usual library \
+         directories lead to one; is the driver installed there (else set --driver-root, the \
+         chart's agent.hostPaths.driverRoot)?",
+        looked.join(" or ")
+    ))
 }
 
 /// The agent's settings from the command line.
@@ -135,6 +183,7 @@ fn agent_config(cli: &Cli) -> AgentConfig {
         kubelet_dir: cli.kubelet_dir.clone(),
         cdi_dir: cli.cdi_dir.clone(),
         driver_root: cli.driver_root.clone(),
+        host_root: cli.host_root.clone(),
         proc_root: cli.proc_root.clone(),
         kmsg_path: cli.kmsg_path.clone(),
         validate_interval: Duration::from_secs(cli.validate_interval_secs.max(1)),
@@ -249,6 +298,61 @@ mod tests {
         assert_eq!(
             agent_config(&parse(&["--kmsg-path", "/host/dev/kmsg"])).kmsg_path,
             PathBuf::from("/host/dev/kmsg")
+        );
+    }
+
+    #[test]
+    fn nvml_comes_from_the_driver_root_under_the_host_root() {
+        let tmp = tempfile::tempdir().unwrap();
+        let host = tmp.path();
+        let lib_dir = host.join("run/nvidia/driver/usr/lib64");
+        std::fs::create_dir_all(&lib_dir).unwrap();
+        let host_arg = host.to_str().unwrap();
+        let flags = [
+            "--host-root",
+            host_arg,
+            "--driver-root",
+            "/run/nvidia/driver",
+        ];
+        // Nothing there: a clear error naming the driver root, not a fall back to the
+        // image's own loader path.
+        let err = nvml_library(&parse(&flags)).unwrap_err();
+        assert!(err.contains("/run/nvidia/driver"), "{err}");
+        std::fs::write(lib_dir.join("libnvidia-ml.so.550.54.15"), b"").unwrap();
+        std::os::unix::fs::symlink("libnvidia-ml.so.550.54.15", lib_dir.join(NVML_SONAME)).unwrap();
+        let found = nvml_library(&parse(&flags)).unwrap().unwrap();
+        assert_eq!(
+            found,
+            std::fs::canonicalize(lib_dir.join("libnvidia-ml.so.550.54.15")).unwrap()
+        );
+        // An explicit library wins; without a host root the loader finds it by name.
+        let explicit = [&flags[..], &["--nvml-lib", "/opt/libnvidia-ml.so.1"]].concat();
+        assert_eq!(
+            nvml_library(&parse(&explicit)).unwrap(),
+            Some(PathBuf::from("/opt/libnvidia-ml.so.1"))
+        );
+        assert_eq!(nvml_library(&parse(&[])).unwrap(), None);
+        // Without --driver-root: a containerized driver's root first, then the host's.
+        let auto = ["--host-root", host_arg];
+        assert_eq!(nvml_library(&parse(&auto)).unwrap(), Some(found.clone()));
+        let host_lib = host.join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&host_lib).unwrap();
+        std::fs::write(host_lib.join(NVML_SONAME), b"").unwrap();
+        assert_eq!(nvml_library(&parse(&auto)).unwrap(), Some(found.clone()));
+        std::fs::remove_dir_all(host.join("run")).unwrap();
+        assert_eq!(
+            nvml_library(&parse(&auto)).unwrap(),
+            Some(std::fs::canonicalize(host_lib.join(NVML_SONAME)).unwrap())
+        );
+        std::fs::remove_file(host_lib.join(NVML_SONAME)).unwrap();
+        let err = nvml_library(&parse(&auto)).unwrap_err();
+        assert!(
+            err.contains("/run/nvidia/driver (read at") && err.contains(" or / (read at"),
+            "{err}"
+        );
+        assert_eq!(
+            agent_config(&parse(&flags)).host_root,
+            Some(host.to_path_buf())
         );
     }
 }

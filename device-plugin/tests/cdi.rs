@@ -56,7 +56,9 @@ fn generate(inv: &Inventory, tmp: &Path) -> (String, Vec<String>, PathBuf) {
     let root = tmp.join("driver");
     driver_root::build(&root, &inv.driver.driver_version, inv.gpus.len() as u32).unwrap();
     let spec_dir = tmp.join("cdi");
-    let outcome = cdi::generate_and_write(inv, &root, &spec_dir, &options()).unwrap();
+    let outcome =
+        cdi::generate_and_write(inv, &cdi::DriverRoot::direct(&root), &spec_dir, &options())
+            .unwrap();
     assert!(outcome.skipped.is_empty(), "{:?}", outcome.skipped);
     let text = fs::read_to_string(&outcome.written.path).unwrap();
     let canonical_root = fs::canonicalize(&root).unwrap();
@@ -231,7 +233,9 @@ fn symlinks_out_of_the_driver_root_are_not_followed() {
     .unwrap();
 
     let spec_dir = tmp.path().join("cdi");
-    let outcome = cdi::generate_and_write(&inv, &root, &spec_dir, &options()).unwrap();
+    let outcome =
+        cdi::generate_and_write(&inv, &cdi::DriverRoot::direct(&root), &spec_dir, &options())
+            .unwrap();
     let text = fs::read_to_string(&outcome.written.path).unwrap();
     let outside_canon = fs::canonicalize(&outside).unwrap().display().to_string();
     assert!(
@@ -258,8 +262,13 @@ fn device_node_symlinked_outside_dev_is_left_out() {
     driver_root::build(&root, &inv.driver.driver_version, 4).unwrap();
     fs::remove_file(root.join("dev/nvidia2")).unwrap();
     symlink(root.join("usr/bin/nvidia-smi"), root.join("dev/nvidia2")).unwrap();
-    let outcome =
-        cdi::generate_and_write(&inv, &root, &tmp.path().join("cdi"), &options()).unwrap();
+    let outcome = cdi::generate_and_write(
+        &inv,
+        &cdi::DriverRoot::direct(&root),
+        &tmp.path().join("cdi"),
+        &options(),
+    )
+    .unwrap();
     assert!(
         !outcome.device_names.contains(&"2".to_owned()),
         "{:?}",
@@ -857,7 +866,13 @@ fn cache_and_scan_make_the_same_spec_on_a_plain_root() {
         assert_eq!(host.library_source, want);
         // The whole path, on the host's own architecture.
         if CacheFlags::host() == Some(X86) {
-            let outcome = cdi::generate_and_write(&inv, &root, &spec_dir, &options()).unwrap();
+            let outcome = cdi::generate_and_write(
+                &inv,
+                &cdi::DriverRoot::direct(&root),
+                &spec_dir,
+                &options(),
+            )
+            .unwrap();
             let want = if with_cache {
                 LibrarySource::LdCache
             } else {
@@ -1130,7 +1145,9 @@ fn no_container_path_twice_and_a_deterministic_winner() {
                 .ends_with("usr/lib64/libcuda.so.570.133.20"),
             "{second:?}"
         );
-        let outcome = cdi::generate_and_write(&inv, &root, &spec_dir, &options()).unwrap();
+        let outcome =
+            cdi::generate_and_write(&inv, &cdi::DriverRoot::direct(&root), &spec_dir, &options())
+                .unwrap();
         let text = fs::read_to_string(&outcome.written.path).unwrap();
         let canonical_root = fs::canonicalize(&root).unwrap();
         texts.push(text.replace(&canonical_root.display().to_string(), "/DRIVER_ROOT"));
@@ -1320,4 +1337,94 @@ fn real_ld_cache_of_an_elf_driver_root_gives_every_soname() {
         assert_eq!(found.soname_source, want, "{}", lib.rel);
         assert_eq!(found.arch, Some(cdi::LibArch::X86_64));
     }
+}
+
+/// The agent in its container reads the driver root through the host's `/` mounted at a path
+/// of its own; the spec it writes is the one it would write on the host, naming host paths.
+#[test]
+fn spec_read_through_a_host_root_names_the_hosts_paths() {
+    let backend = sim(&fixtures_dir().join("a100-8x.yaml"));
+    let inv = Inventory::read(&backend).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let host = tmp.path().join("host");
+    let root = host.join("run/nvidia/driver");
+    driver_root::build(&root, &inv.driver.driver_version, inv.gpus.len() as u32).unwrap();
+
+    let direct_dir = tmp.path().join("direct");
+    let direct = cdi::generate_and_write(
+        &inv,
+        &cdi::DriverRoot::direct(&root),
+        &direct_dir,
+        &options(),
+    )
+    .unwrap();
+    let through = cdi::DriverRoot::new(Some(&host), Path::new("/run/nvidia/driver")).unwrap();
+    let through_dir = tmp.path().join("through");
+    let outcome = cdi::generate_and_write(&inv, &through, &through_dir, &options()).unwrap();
+    assert_eq!(outcome.device_names, direct.device_names);
+
+    let text = fs::read_to_string(&outcome.written.path).unwrap();
+    let tmp_canon = fs::canonicalize(tmp.path()).unwrap().display().to_string();
+    assert!(
+        !text.contains(&tmp_canon),
+        "a path of the agent's own view leaked into the spec:\n{text}"
+    );
+    assert!(
+        text.contains("hostPath: /run/nvidia/driver/usr/bin/nvidia-smi"),
+        "{text}"
+    );
+    // The same spec as read directly, with the root in the host's terms.
+    let root_canon = fs::canonicalize(&root).unwrap().display().to_string();
+    let expected = fs::read_to_string(&direct.written.path)
+        .unwrap()
+        .replace(&root_canon, "/run/nvidia/driver");
+    assert_eq!(text, expected);
+}
+
+/// NVML is loaded by full path from the driver root, found through the root's ld.so.cache
+/// even in a directory the scan does not look at.
+#[test]
+fn nvml_is_found_through_the_roots_ldcache() {
+    let version = "550.54.15";
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("driver");
+    write_file(&root, &format!("opt/nvml/libnvidia-ml.so.{version}"), "");
+    link(
+        &root,
+        "opt/nvml/libnvidia-ml.so.1",
+        format!("libnvidia-ml.so.{version}"),
+    );
+    assert_eq!(
+        cdi::find_nvml_library(&root),
+        None,
+        "not in a scanned directory"
+    );
+    let cache = ld_so_cache(
+        &[
+            // Another architecture's first: not taken.
+            (
+                ARM,
+                "libnvidia-ml.so.1",
+                "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1",
+            ),
+            (X86, "libnvidia-ml.so.1", "/opt/nvml/libnvidia-ml.so.1"),
+        ],
+        false,
+    );
+    write_file(&root, "etc/ld.so.cache", "");
+    fs::write(root.join("etc/ld.so.cache"), &cache).unwrap();
+    write_file(
+        &root,
+        &format!("usr/lib/aarch64-linux-gnu/libnvidia-ml.so.{version}"),
+        "",
+    );
+    link(
+        &root,
+        "usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1",
+        format!("libnvidia-ml.so.{version}"),
+    );
+    assert_eq!(
+        cdi::find_nvml_library(&root),
+        Some(fs::canonicalize(root.join(format!("opt/nvml/libnvidia-ml.so.{version}"))).unwrap())
+    );
 }

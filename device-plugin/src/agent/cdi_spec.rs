@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use gpupool_crds::node::CdiStatus;
 use gpupool_crds::policy::CdiPolicy;
 
-use crate::cdi::{self, CdiOptions};
+use crate::cdi::{self, CdiOptions, DriverRoot};
 use crate::inventory::Inventory;
 
 /// The CDI spec as last written, and why it last failed.
@@ -284,14 +284,25 @@ pub enum SpecState {
     WriteFailed(String),
 }
 
+/// Where the driver is: its root in the host's terms (`None`: the policy's), and where the
+/// host's `/` is mounted in this process (`None`: at `/`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Roots<'a> {
+    /// The agent's `--driver-root`, overriding the policy's.
+    pub driver_root: Option<&'a Path>,
+    /// The agent's `--host-root`.
+    pub host_root: Option<&'a Path>,
+}
+
 impl CdiJob {
     /// Makes the spec under `spec_dir` (else the policy's) match `inventory`, with the driver
-    /// under `driver_root` (else the policy's). First checks the file against what was last
-    /// written; the write then heals a missing, modified or invalid file.
+    /// under `roots.driver_root` (else the policy's), read through `roots.host_root`. First
+    /// checks the file against what was last written; the write then heals a missing,
+    /// modified or invalid file.
     pub fn sync(
         &mut self,
         spec_dir: Option<&Path>,
-        driver_root: Option<&Path>,
+        roots: Roots<'_>,
         policy: &CdiPolicy,
         inventory: &Inventory,
     ) {
@@ -317,10 +328,12 @@ impl CdiJob {
         if let Some(p) = &before {
             tracing::warn!(reason = p.kind.reason(), message = %p.message, "CDI spec problem");
         }
-        let root = driver_root
+        let root = roots
+            .driver_root
             .map(Path::to_path_buf)
             .unwrap_or_else(|| PathBuf::from(&policy.driver_root));
         let result = CdiOptions::from_policy(policy).and_then(|opts| {
+            let root = DriverRoot::new(roots.host_root, &root)?;
             let kind = opts.kind.as_str().to_owned();
             cdi::generate_and_write(inventory, &root, &dir, &opts).map(|o| (o, kind))
         });
@@ -526,7 +539,17 @@ mod tests {
         };
         let inv = crate::agent::testing::inventory();
         let mut job = CdiJob::default();
-        let sync = |job: &mut CdiJob| job.sync(Some(&dir), Some(&root), &policy, &inv);
+        let sync = |job: &mut CdiJob| {
+            job.sync(
+                Some(&dir),
+                Roots {
+                    driver_root: Some(&root),
+                    host_root: None,
+                },
+                &policy,
+                &inv,
+            )
+        };
         let spec = dir.join(cdi::SPEC_FILE_NAME);
 
         sync(&mut job);
@@ -576,7 +599,15 @@ mod tests {
             enabled: false,
             ..policy.clone()
         };
-        job.sync(Some(&dir), Some(&root), &off, &inv);
+        job.sync(
+            Some(&dir),
+            Roots {
+                driver_root: Some(&root),
+                host_root: None,
+            },
+            &off,
+            &inv,
+        );
         assert_eq!((job.check(), job.state()), (None, None));
     }
 }

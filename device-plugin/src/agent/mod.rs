@@ -64,6 +64,9 @@ pub struct AgentConfig {
     pub cdi_dir: Option<PathBuf>,
     /// Overrides the GpuNode's `cdi.driverRoot`.
     pub driver_root: Option<PathBuf>,
+    /// Where the host's `/` is mounted in this process; the driver root is read under it,
+    /// and the CDI spec still names host paths (`None`: the host's `/` is ours).
+    pub host_root: Option<PathBuf>,
     /// Where `/proc` is (the kernel module check).
     pub proc_root: PathBuf,
     /// The kernel log (`/dev/kmsg`), scanned for Xids logged since boot.

@@ -3,6 +3,7 @@
 //! its state; this file only orders them.
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -15,7 +16,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::advertise::{MigIds, MigParents, advertisement, mig_index};
-use super::cdi_spec::CdiJob;
+use super::cdi_spec::{CdiJob, Roots};
 use super::events::{Events, GpuHealthSeen, Observed};
 use super::figures::{FigureInputs, figures};
 use super::labels::NodeLabeler;
@@ -24,6 +25,7 @@ use super::sampling::SamplingJob;
 use super::status::{self, StatusInputs, StatusPublisher};
 use super::validation::ValidationJob;
 use super::{Agent, FIELD_MANAGER, blocking};
+use crate::cdi::DriverRoot;
 use crate::inventory::Inventory;
 use crate::plugin::{self, Advertisement, Topology};
 
@@ -140,7 +142,10 @@ impl NodeState {
         if let (false, Some(inv)) = (self.mig.busy(), inv) {
             self.cdi.sync(
                 agent.config.cdi_dir.as_deref(),
-                agent.config.driver_root.as_deref(),
+                Roots {
+                    driver_root: agent.config.driver_root.as_deref(),
+                    host_root: agent.config.host_root.as_deref(),
+                },
                 &spec.cdi,
                 inv,
             );
@@ -167,6 +172,7 @@ impl NodeState {
                 .driver_root
                 .clone()
                 .unwrap_or_else(|| spec.cdi.driver_root.clone().into());
+            let root = local_driver_root(agent.config.host_root.as_deref(), root);
             self.validation
                 .run(
                     &agent.backend,
@@ -275,4 +281,20 @@ fn gpu_health(
             (g.device.index, GpuHealthSeen { uuid, fault })
         })
         .collect()
+}
+
+/// The driver root `root` (in the host's terms) where this process reads it: under
+/// `host_root` when the host's `/` is mounted there. A root that cannot be resolved is
+/// still joined, so the checks that read it report what is missing.
+fn local_driver_root(host_root: Option<&Path>, root: PathBuf) -> PathBuf {
+    match DriverRoot::new(host_root, &root) {
+        Ok(r) => r.local().to_path_buf(),
+        Err(e) => {
+            tracing::warn!(error = %e, "driver root");
+            match host_root {
+                Some(h) => h.join(root.strip_prefix("/").unwrap_or(&root)),
+                None => root,
+            }
+        }
+    }
 }
