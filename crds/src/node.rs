@@ -109,6 +109,13 @@ impl Default for UtilizationSpec {
 /// operator holds the pool's `CDIReady` False while it is.
 pub const CDI_SPEC_READY: &str = "CdiSpecReady";
 
+/// The GpuNode condition the agent sets on whether another device plugin (NVIDIA's, found by
+/// the socket names it uses) is live on the node for NVIDIA GPU resources. True names the
+/// sockets and resources: the kubelet keeps only the last plugin registered for a resource, so
+/// two plugins take it from each other at every restart. Unlike `CdiSpecReady`, True is the
+/// bad state, as with a Node's `MemoryPressure`: the condition names what was found.
+pub const FOREIGN_DEVICE_PLUGIN: &str = "ForeignDevicePlugin";
+
 /// What the node agent observes.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]

@@ -55,6 +55,9 @@ pub struct Figures {
     /// 1 when the CDI spec the runtime reads is the agent's and resolvable; absent with CDI
     /// off or before the first write.
     pub cdi_spec_ready: Option<bool>,
+    /// Other device plugins' live sockets for NVIDIA resources on the node; absent before the
+    /// first scan.
+    pub foreign_device_plugins: Option<u32>,
 }
 
 /// State shared between the agent loop and the HTTP server.
@@ -211,6 +214,14 @@ impl Collector for FiguresCollector {
                 MetricType::Gauge,
             )?)?;
         }
+        if let Some(n) = f.foreign_device_plugins {
+            ConstGauge::new(n).encode(encoder.encode_descriptor(
+                "gpupool_foreign_device_plugins",
+                "Sockets of other device plugins live on the node for NVIDIA resources (0 when gpupool is the only one).",
+                None,
+                MetricType::Gauge,
+            )?)?;
+        }
         Ok(())
     }
 }
@@ -323,6 +334,7 @@ mod tests {
         f.status_writes = 3;
         f.cdi_writes = 1;
         f.cdi_spec_ready = Some(true);
+        f.foreign_device_plugins = Some(1);
         m.set(f);
         PluginMetrics::inc(&m.plugin.registrations);
         PluginMetrics::inc(&m.plugin.allocations);
@@ -384,6 +396,9 @@ gpupool_cdi_spec_writes_total 1
 # HELP gpupool_cdi_spec_ready 1 when the CDI spec the runtime reads is as the agent wrote it and no other spec claims its devices.
 # TYPE gpupool_cdi_spec_ready gauge
 gpupool_cdi_spec_ready 1
+# HELP gpupool_foreign_device_plugins Sockets of other device plugins live on the node for NVIDIA resources (0 when gpupool is the only one).
+# TYPE gpupool_foreign_device_plugins gauge
+gpupool_foreign_device_plugins 1
 # EOF
 ";
         assert_eq!(text, expected);

@@ -7,6 +7,9 @@
 //! - the CDI spec is written, well-formed, and rewritten only when its content changes;
 //! - the CDI spec deleted under the running agent is reported (Event, `CdiSpecReady`
 //!   condition) and rewritten; another spec claiming its devices is reported and left alone;
+//! - another device plugin live on NVIDIA's socket name for `nvidia.com/gpu` is reported
+//!   (`ForeignDevicePlugin` condition, Event) while the agent keeps serving, and a leftover
+//!   socket file nobody listens on is not;
 //! - a MIG layout walks Draining → Applying → Applied and the plugin serves the new resource;
 //!   `kill -9` mid-Applying and a restart still end Applied with the right instances (NVML
 //!   backend on the fake libnvidia-ml, whose state file stands in for the hardware);
@@ -571,6 +574,64 @@ async fn agent_validates_writes_cdi_tracks_idleness_and_stays_quiet() -> Result<
         |s| cdi_ready(s, "True", "SpecCurrent"),
     )
     .await?;
+
+    // NVIDIA's device plugin on the same node: a live socket named like its socket for
+    // nvidia.com/gpu is reported (condition, Warning Event) while the agent keeps serving; once
+    // nothing listens on it (the file left behind) it is no conflict any more.
+    let foreign = |s: &gpupool_crds::node::GpuNodeStatus, status: &str, reason: &str| {
+        s.conditions
+            .iter()
+            .any(|c| c.type_ == "ForeignDevicePlugin" && c.status == status && c.reason == reason)
+    };
+    wait_status(
+        &client,
+        &node,
+        "ForeignDevicePlugin=False",
+        Duration::from_secs(30),
+        |s| foreign(s, "False", "NoneFound"),
+    )
+    .await?;
+    let nvidia_socket = host.kubelet.join("device-plugins").join("nvidia-gpu.sock");
+    let nvidia = std::os::unix::net::UnixListener::bind(&nvidia_socket)?;
+    let gn = wait_status(
+        &client,
+        &node,
+        "ForeignDevicePlugin=True, SameResource",
+        Duration::from_secs(30),
+        |s| foreign(s, "True", "SameResource"),
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let message = gn
+        .status
+        .unwrap_or_default()
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == "ForeignDevicePlugin")
+        .map(|c| c.message)
+        .unwrap_or_default();
+    ensure!(
+        message.contains("nvidia-gpu.sock (nvidia.com/gpu)")
+            && message.contains("nvidia.com/gpu.deploy.device-plugin=false"),
+        "{message}"
+    );
+    let event = wait_event(&client, &node, "ForeignDevicePlugin").await?;
+    ensure!(event.type_.as_deref() == Some("Warning"));
+    ensure!(
+        host.socket("nvidia.com/gpu").exists(),
+        "the agent stopped serving"
+    );
+    drop(nvidia);
+    wait_status(
+        &client,
+        &node,
+        "ForeignDevicePlugin=False once nothing listens",
+        Duration::from_secs(30),
+        |s| foreign(s, "False", "NoneFound"),
+    )
+    .await?;
+    wait_event(&client, &node, "ForeignDevicePluginGone").await?;
+    fs::remove_file(&nvidia_socket)?;
 
     // SIGTERM: clean exit, plugin sockets removed; a restart leaves the unchanged spec alone.
     let socket = host.socket("nvidia.com/gpu");

@@ -9,6 +9,8 @@ use kube::Resource;
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder};
 
 use super::cdi_spec::SpecProblem;
+use super::foreign_plugin;
+use crate::plugin::foreign::Findings;
 
 /// The health of one GPU as the agent reported it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,6 +38,8 @@ pub struct Observed {
     /// What the last check of the spec file found; `None` before the first write or with CDI
     /// off.
     pub cdi_spec: Option<Result<(), SpecProblem>>,
+    /// What the last scan for other device plugins found; `None` before the first.
+    pub foreign_plugin: Option<Findings>,
 }
 
 /// One Event to publish.
@@ -116,8 +120,30 @@ fn mig_events(previous: Option<&NodeMigStatus>, now: &NodeMigStatus) -> Option<A
     }
 }
 
+/// The Event for another device plugin appearing, changing sockets, or going away.
+fn foreign_plugin_event(previous: Option<&Findings>, now: &Findings) -> Option<AgentEvent> {
+    let live_before = previous.map(|p| p.live.as_slice()).unwrap_or_default();
+    if now.conflict() && now.live != live_before {
+        let (_, _, message) = foreign_plugin::condition(now);
+        let sockets: Vec<&str> = now.live.iter().map(|s| s.socket.as_str()).collect();
+        return Some(
+            AgentEvent::new(true, "ForeignDevicePlugin", message)
+                .with_action(format!("ForeignPlugin:{}", sockets.join(","))),
+        );
+    }
+    if !now.conflict() && !live_before.is_empty() {
+        return Some(AgentEvent::new(
+            false,
+            "ForeignDevicePluginGone",
+            "no other device plugin serves NVIDIA resources on this node any more".to_owned(),
+        ));
+    }
+    None
+}
+
 /// The Events that going from `previous` to `now` calls for, in the order they happened within
-/// a pass: MIG, CDI (write, then the file check), validation, PodResources, device health.
+/// a pass: MIG, CDI (write, then the file check), validation, PodResources, device health,
+/// other device plugins.
 pub fn transitions(previous: &Observed, now: &Observed) -> Vec<AgentEvent> {
     let mut out = Vec::new();
     if let Some(mig) = &now.mig {
@@ -198,6 +224,12 @@ pub fn transitions(previous: &Observed, now: &Observed) -> Vec<AgentEvent> {
             }
         }
     }
+    if let Some(found) = &now.foreign_plugin {
+        out.extend(foreign_plugin_event(
+            previous.foreign_plugin.as_ref(),
+            found,
+        ));
+    }
     out
 }
 
@@ -210,7 +242,12 @@ fn remember(previous: Observed, now: Observed) -> Observed {
         }
         (before, now) => now.or(before),
     };
-    Observed { gpu_health, ..now }
+    let foreign_plugin = now.foreign_plugin.or(previous.foreign_plugin);
+    Observed {
+        gpu_health,
+        foreign_plugin,
+        ..now
+    }
 }
 
 /// Publishes the agent's Events on its GpuNode, remembering what it last reported.
@@ -269,6 +306,89 @@ mod tests {
             kind,
             message: message.to_owned(),
         }
+    }
+
+    /// Findings with these (socket, resource) live, all resources the agent serves too.
+    fn foreign(live: &[(&str, &str)]) -> Findings {
+        Findings {
+            live: live
+                .iter()
+                .map(|(socket, resource)| crate::plugin::foreign::ForeignSocket {
+                    socket: (*socket).to_owned(),
+                    resource: resource.parse().unwrap(),
+                    also_ours: true,
+                })
+                .collect(),
+            ..Findings::default()
+        }
+    }
+
+    #[test]
+    fn foreign_plugin_transitions() {
+        let gpu = || Some(foreign(&[("nvidia-gpu.sock", "nvidia.com/gpu")]));
+        let both = || {
+            Some(foreign(&[
+                ("nvidia-gpu.sock", "nvidia.com/gpu"),
+                ("nvidia-mig-1g.10gb.sock", "nvidia.com/mig-1g.10gb"),
+            ]))
+        };
+        let none = || Some(Findings::default());
+        let o = |foreign_plugin| Observed {
+            foreign_plugin,
+            ..Observed::default()
+        };
+        let cases: Vec<(&str, Observed, Observed, Vec<&str>)> = vec![
+            (
+                "none at the first scan: no news",
+                o(None),
+                o(none()),
+                vec![],
+            ),
+            (
+                "found at the first scan",
+                o(None),
+                o(gpu()),
+                vec!["Warning ForeignDevicePlugin [ForeignPlugin:nvidia-gpu.sock]"],
+            ),
+            (
+                "appears later",
+                o(none()),
+                o(gpu()),
+                vec!["Warning ForeignDevicePlugin [ForeignPlugin:nvidia-gpu.sock]"],
+            ),
+            ("still there: no news", o(gpu()), o(gpu()), vec![]),
+            (
+                "serves one more resource",
+                o(gpu()),
+                o(both()),
+                vec![
+                    "Warning ForeignDevicePlugin [ForeignPlugin:nvidia-gpu.sock,nvidia-mig-1g.10gb.sock]",
+                ],
+            ),
+            (
+                "gone",
+                o(gpu()),
+                o(none()),
+                vec!["Normal ForeignDevicePluginGone [ForeignDevicePluginGone]"],
+            ),
+            ("scan not run this time: no news", o(gpu()), o(None), vec![]),
+        ];
+        for (name, previous, now, want) in cases {
+            let got: Vec<String> = said(&transitions(&previous, &now));
+            assert_eq!(got.len(), want.len(), "{name}: {got:?}");
+            for (g, w) in got.iter().zip(&want) {
+                assert!(g.starts_with(w), "{name}: {g}");
+            }
+        }
+        let warning = &transitions(&o(none()), &o(gpu()))[0];
+        assert!(
+            warning.note.contains("nvidia-gpu.sock (nvidia.com/gpu)")
+                && warning
+                    .note
+                    .contains("nvidia.com/gpu.deploy.device-plugin=false"),
+            "{}",
+            warning.note
+        );
     }
 
     fn check(name: &str, passed: bool, message: &str) -> CheckResult {
@@ -664,6 +784,7 @@ mod tests {
             pod_resources: Some(Err("p".into())),
             cdi_error: Some("c".into()),
             cdi_spec: Some(Err(spec_problem(ProblemKind::Missing, "s"))),
+            foreign_plugin: Some(foreign(&[("nvidia-gpu.sock", "nvidia.com/gpu")])),
         };
         let reasons: Vec<&str> = transitions(&Observed::default(), &now)
             .iter()
@@ -677,7 +798,8 @@ mod tests {
                 "CdiSpecMissing",
                 "ValidationFailed",
                 "PodResourcesUnavailable",
-                "DeviceUnhealthy"
+                "DeviceUnhealthy",
+                "ForeignDevicePlugin"
             ]
         );
     }
@@ -702,6 +824,65 @@ mod tests {
         );
         let merged = remember(kept, later);
         assert_eq!(merged.gpu_health.map(|m| m.len()), Some(2));
+    }
+
+    /// Another plugin found by a real scan of a temp dir reaches the API as one Warning Event
+    /// on the GpuNode, and its going away as one Normal Event.
+    #[tokio::test]
+    async fn a_foreign_plugin_is_posted_as_an_event_on_the_gpunode() {
+        use crate::agent::testing::{ApiMock, Expect};
+        use kube::runtime::events::Reporter;
+        use std::collections::BTreeSet;
+        use std::time::Duration;
+        let tmp = tempfile::tempdir().unwrap();
+        let listener =
+            std::os::unix::net::UnixListener::bind(tmp.path().join("nvidia-gpu.sock")).unwrap();
+        let served: BTreeSet<crate::plugin::ResourceName> =
+            ["nvidia.com/gpu".parse().unwrap()].into();
+        let scan =
+            || crate::plugin::foreign::scan(tmp.path(), &served, "gpupool", Duration::from_secs(2));
+        let event = |type_: &'static str, reason: &'static str, says: &'static str| Expect {
+            method: "POST",
+            path: "/apis/events.k8s.io/v1/namespaces/default/events",
+            query: &[],
+            status: 201,
+            check: Box::new(move |body: &serde_json::Value| {
+                assert_eq!(body["type"], type_, "{body}");
+                assert_eq!(body["reason"], reason, "{body}");
+                assert!(body["note"].as_str().unwrap().contains(says), "{body}");
+                assert_eq!(body["regarding"]["kind"], "GpuNode", "{body}");
+                assert_eq!(body["regarding"]["name"], "node-a", "{body}");
+            }),
+            reply: None,
+        };
+        let (client, mock) = ApiMock::new();
+        let server = mock.serve(vec![
+            event(
+                "Warning",
+                "ForeignDevicePlugin",
+                "live on nvidia-gpu.sock (nvidia.com/gpu)",
+            ),
+            event("Normal", "ForeignDevicePluginGone", "any more"),
+        ]);
+        let recorder = Recorder::new(
+            client,
+            Reporter {
+                controller: "gpupool-agent".into(),
+                instance: Some("node-a".into()),
+            },
+        );
+        let mut events = Events::new(recorder);
+        let gn = crate::agent::testing::gpunode("node-a");
+        let observe = |found| Observed {
+            foreign_plugin: Some(found),
+            ..Observed::default()
+        };
+        events.observe(&gn, observe(scan().await.unwrap())).await;
+        events.observe(&gn, observe(scan().await.unwrap())).await; // no news: no request
+        drop(listener); // NVIDIA's plugin stops; its socket file stays behind
+        events.observe(&gn, observe(scan().await.unwrap())).await;
+        drop(events);
+        server.await.unwrap();
     }
 
     #[tokio::test]

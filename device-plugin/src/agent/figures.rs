@@ -25,6 +25,8 @@ pub struct FigureInputs<'a> {
     pub cdi_writes: u64,
     /// Whether the spec the runtime reads is the agent's and resolvable; `None` with CDI off.
     pub cdi_spec_ready: Option<bool>,
+    /// Other device plugins' live sockets for NVIDIA resources; `None` before the first scan.
+    pub foreign_device_plugins: Option<u32>,
 }
 
 /// The figures for `inputs`.
@@ -35,6 +37,7 @@ pub fn figures(inputs: FigureInputs<'_>) -> Figures {
         status_writes: inputs.status_writes,
         cdi_writes: inputs.cdi_writes,
         cdi_spec_ready: inputs.cdi_spec_ready,
+        foreign_device_plugins: inputs.foreign_device_plugins,
         ..Figures::default()
     };
     if let Some(Ok(inv)) = inputs.inventory {
@@ -96,6 +99,7 @@ mod tests {
             status_writes: 3,
             cdi_writes: 1,
             cdi_spec_ready: Some(false),
+            foreign_device_plugins: Some(1),
         });
         assert!(f.gpus[&0].healthy);
         assert!(!f.gpus[&1].healthy);
@@ -104,6 +108,7 @@ mod tests {
         assert_eq!(f.gpus[&1].utilization_percent, None);
         assert_eq!((f.validated, f.status_writes, f.cdi_writes), (true, 3, 1));
         assert_eq!(f.cdi_spec_ready, Some(false));
+        assert_eq!(f.foreign_device_plugins, Some(1));
         assert_eq!(f.xids[&(1, 79)], 1);
     }
 }

@@ -9,13 +9,15 @@
 //!
 //! The loop is here; each job lives beside it with its state, its pure core next to its edge:
 //! [`reconfigure`] (MIG), [`cdi_spec`], [`advertise`] (what the kubelet plugins offer),
-//! [`validation`], [`sampling`], [`health`] (NVML events for the plugins' health monitor), and
+//! [`validation`], [`sampling`], [`health`] (NVML events for the plugins' health monitor),
+//! [`foreign_plugin`] (another device plugin serving NVIDIA resources on the node), and
 //! the report: [`events`], [`status`], [`labels`], [`figures`]. [`reconcile`] orders them.
 
 pub mod advertise;
 pub mod cdi_spec;
 pub mod events;
 pub mod figures;
+pub mod foreign_plugin;
 pub mod health;
 pub mod labels;
 pub mod reconcile;

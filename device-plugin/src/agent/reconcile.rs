@@ -19,6 +19,7 @@ use super::advertise::{MigIds, MigParents, advertisement, mig_index};
 use super::cdi_spec::{CdiJob, Roots};
 use super::events::{Events, GpuHealthSeen, Observed};
 use super::figures::{FigureInputs, figures};
+use super::foreign_plugin::ForeignPluginJob;
 use super::labels::NodeLabeler;
 use super::reconfigure::{MigJob, MigProgress};
 use super::sampling::SamplingJob;
@@ -36,6 +37,7 @@ pub struct NodeState {
     /// Driver checks (public to the loop: health events make them due).
     pub validation: ValidationJob,
     sampling: SamplingJob,
+    foreign: ForeignPluginJob,
     /// The agent's own conditions, carried from one status to the next.
     conditions: Vec<Condition>,
     status: StatusPublisher,
@@ -61,6 +63,11 @@ impl NodeState {
             sampling: SamplingJob::new(
                 config.pod_resources_socket.clone(),
                 config.idle_samples,
+                now,
+            ),
+            foreign: ForeignPluginJob::new(
+                config.kubelet_dir.join("device-plugins"),
+                plugin::PluginConfig::default().name_prefix,
                 now,
             ),
             conditions: Vec::new(),
@@ -194,6 +201,8 @@ impl NodeState {
                 now,
             )
             .await;
+        let served = layout_tx.borrow().resources.keys().cloned().collect();
+        self.foreign.run_if_due(served, now).await;
 
         self.report(agent, gpunode, inventory.as_ref(), health)
             .await;
@@ -205,6 +214,7 @@ impl NodeState {
         [
             Some(self.validation.next()),
             Some(self.sampling.next()),
+            Some(self.foreign.next()),
             mig_wake,
         ]
         .into_iter()
@@ -231,6 +241,7 @@ impl NodeState {
             pod_resources: self.sampling.pod_resources.clone(),
             cdi_error: self.cdi.last_error.clone(),
             cdi_spec: self.cdi.check().cloned(),
+            foreign_plugin: self.foreign.findings().cloned(),
         };
         self.events.observe(gpunode, observed).await;
         let status = status::build_status(
@@ -245,6 +256,7 @@ impl NodeState {
                 mig,
                 cdi: self.cdi.status.clone(),
                 cdi_state: self.cdi.state(),
+                foreign_plugin: self.foreign.findings(),
             },
             &mut self.conditions,
             Timestamp::now(),
@@ -260,6 +272,7 @@ impl NodeState {
             status_writes: self.status.writes(),
             cdi_writes: self.cdi.writes,
             cdi_spec_ready: self.cdi.check().map(Result::is_ok),
+            foreign_device_plugins: self.foreign.findings().map(|f| f.live.len() as u32),
         }));
     }
 }

@@ -18,7 +18,9 @@ use serde_json::json;
 use super::FIELD_MANAGER;
 use super::advertise::cdi_naming;
 use super::cdi_spec::SpecState;
+use super::foreign_plugin;
 use crate::inventory::Inventory;
+use crate::plugin::foreign::Findings;
 use crate::plugin::{Advertisement, CdiKind, CdiNaming, Health};
 use crate::utilization::IdleTracker;
 
@@ -153,7 +155,7 @@ pub fn set_condition(
     conditions.sort_by(|a, b| a.type_.cmp(&b.type_));
 }
 
-pub use gpupool_crds::node::CDI_SPEC_READY;
+pub use gpupool_crds::node::{CDI_SPEC_READY, FOREIGN_DEVICE_PLUGIN};
 
 /// Everything GpuNode status is built from: what each of the agent's jobs last saw.
 pub struct StatusInputs<'a> {
@@ -177,6 +179,8 @@ pub struct StatusInputs<'a> {
     pub cdi: Option<CdiStatus>,
     /// Whether the spec the runtime reads is the agent's and resolvable; `None` with CDI off.
     pub cdi_state: Option<SpecState>,
+    /// What the last scan for other device plugins found; `None` before the first.
+    pub foreign_plugin: Option<&'a Findings>,
 }
 
 /// GpuNode status from `inputs`. `conditions` carries the agent's conditions from one build to
@@ -245,6 +249,18 @@ pub fn build_status(
             );
         }
         None => conditions.retain(|c| c.type_ != CDI_SPEC_READY),
+    }
+    if let Some(found) = inputs.foreign_plugin {
+        let (status, reason, msg) = foreign_plugin::condition(found);
+        set_condition(
+            conditions,
+            FOREIGN_DEVICE_PLUGIN,
+            status,
+            reason,
+            &msg,
+            generation,
+            now,
+        );
     }
     let healthy = gpus
         .iter()
@@ -412,6 +428,7 @@ mod tests {
                 mig: NodeMigStatus::default(),
                 cdi: None,
                 cdi_state: None,
+                foreign_plugin: None,
             },
             &mut Vec::new(),
             Timestamp::from_second(1_700_000_000).unwrap(),
@@ -454,6 +471,7 @@ mod tests {
                     mig: NodeMigStatus::default(),
                     cdi: None,
                     cdi_state: state,
+                    foreign_plugin: None,
                 },
                 conditions,
                 Timestamp::from_second(1_700_000_000).unwrap(),
@@ -491,6 +509,57 @@ mod tests {
         }
     }
 
+    #[test]
+    fn foreign_device_plugin_follows_the_scan() {
+        use crate::plugin::foreign::ForeignSocket;
+        let gn = gpunode("u1", None);
+        let found = |live: bool| Findings {
+            live: if live {
+                vec![ForeignSocket {
+                    socket: "nvidia-gpu.sock".into(),
+                    resource: "nvidia.com/gpu".parse().unwrap(),
+                    also_ours: true,
+                }]
+            } else {
+                Vec::new()
+            },
+            ..Findings::default()
+        };
+        let mut conditions = Vec::new();
+        let mut get = |findings: Option<&Findings>| {
+            let s = build_status(
+                StatusInputs {
+                    gpunode: &gn,
+                    inventory: None,
+                    health: &BTreeMap::new(),
+                    idle: &IdleTracker::new(1),
+                    pods: &BTreeMap::new(),
+                    pod_resources: None,
+                    checks: &[],
+                    mig: NodeMigStatus::default(),
+                    cdi: None,
+                    cdi_state: None,
+                    foreign_plugin: findings,
+                },
+                &mut conditions,
+                Timestamp::from_second(1_700_000_000).unwrap(),
+            );
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == FOREIGN_DEVICE_PLUGIN)
+                .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+        };
+        assert_eq!(get(None), None, "no scan yet: no condition");
+        let (status, reason, message) = get(Some(&found(true))).unwrap();
+        assert_eq!((status.as_str(), reason.as_str()), ("True", "SameResource"));
+        assert!(
+            message.contains("nvidia-gpu.sock (nvidia.com/gpu)"),
+            "{message}"
+        );
+        let (status, reason, _) = get(Some(&found(false))).unwrap();
+        assert_eq!((status.as_str(), reason.as_str()), ("False", "NoneFound"));
+    }
+
     #[tokio::test]
     async fn status_is_applied_only_when_it_changes() {
         use crate::agent::testing::{ApiMock, Expect};
@@ -520,6 +589,70 @@ mod tests {
         let again = gpunode("u2", Some(status.clone()));
         publisher.publish(&again, status).await;
         assert_eq!(publisher.writes(), 2);
+        drop(publisher);
+        server.await.unwrap();
+    }
+
+    /// The condition for another plugin, from a real scan, is what the status write carries.
+    #[tokio::test]
+    async fn a_foreign_plugin_reaches_the_status_write() {
+        use crate::agent::testing::{ApiMock, Expect};
+        use std::collections::BTreeSet;
+        let tmp = tempfile::tempdir().unwrap();
+        let _nvidia =
+            std::os::unix::net::UnixListener::bind(tmp.path().join("nvidia-gpu.sock")).unwrap();
+        let served: BTreeSet<crate::plugin::ResourceName> =
+            ["nvidia.com/gpu".parse().unwrap()].into();
+        let found = crate::plugin::foreign::scan(
+            tmp.path(),
+            &served,
+            "gpupool",
+            std::time::Duration::from_secs(2),
+        )
+        .await
+        .unwrap();
+        let (client, mock) = ApiMock::new();
+        let server = mock.serve(vec![Expect {
+            method: "PATCH",
+            path: "/apis/gpupool.io/v1alpha1/gpunodes/node-a/status",
+            query: &["fieldManager=gpupool-agent"],
+            status: 200,
+            check: Box::new(|body: &serde_json::Value| {
+                let conditions = body["status"]["conditions"].as_array().unwrap();
+                let c = conditions
+                    .iter()
+                    .find(|c| c["type"] == "ForeignDevicePlugin")
+                    .unwrap_or_else(|| panic!("no ForeignDevicePlugin in {body}"));
+                assert_eq!(c["status"], "True", "{body}");
+                assert_eq!(c["reason"], "SameResource", "{body}");
+                let message = c["message"].as_str().unwrap();
+                assert!(
+                    message.contains("nvidia-gpu.sock (nvidia.com/gpu)"),
+                    "{body}"
+                );
+            }),
+            reply: Some(serde_json::to_value(gpunode("u1", None)).unwrap()),
+        }]);
+        let gn = gpunode("u1", None);
+        let status = build_status(
+            StatusInputs {
+                gpunode: &gn,
+                inventory: None,
+                health: &BTreeMap::new(),
+                idle: &IdleTracker::new(1),
+                pods: &BTreeMap::new(),
+                pod_resources: None,
+                checks: &[],
+                mig: NodeMigStatus::default(),
+                cdi: None,
+                cdi_state: None,
+                foreign_plugin: Some(&found),
+            },
+            &mut Vec::new(),
+            Timestamp::from_second(1_700_000_000).unwrap(),
+        );
+        let mut publisher = StatusPublisher::new(client);
+        publisher.publish(&gn, status).await;
         drop(publisher);
         server.await.unwrap();
     }

@@ -41,6 +41,7 @@
 
 pub mod allocate;
 pub mod api;
+pub mod foreign;
 pub mod health;
 pub mod manager;
 pub mod metrics;
