@@ -19,10 +19,9 @@
 # the same set as distroless/cc-debian12), shared by both images, and one layer per binary
 # (`cargo build --locked --release`). The operator runs as gpupool (65532:65532) from
 # /usr/local/bin, as operator/Dockerfile builds it. The agent runs as root from
-# /gpupool-device-plugin, not /usr/local/bin: with the chart's default driverRoot "/" the
-# host's /usr and /lib are mounted over the image's, which would hide a binary under /usr (the
-# agent then runs on the host's glibc; the base's /lib64 loader link points into /lib, so
-# the loader and libc come from the same place).
+# /gpupool-device-plugin, on the image's own glibc: the chart mounts the host's / at /host,
+# never over the image's /usr or /lib, and the agent loads NVML from the driver root by full
+# path (--host-root).
 #
 # Reproducible: every mtime is SOURCE_DATE_EPOCH (the last commit's time unless set), tars
 # are sorted with numeric owners, gzip stores no name or time, and the files that differ

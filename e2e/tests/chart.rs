@@ -180,9 +180,41 @@ fn default_render_has_the_documented_shape() -> Result<()> {
             ("/var/lib/kubelet/pod-resources".to_owned(), true),
             ("/var/run/cdi".to_owned(), false),
             ("/dev".to_owned(), true),
-            ("/usr".to_owned(), true),
-            ("/lib".to_owned(), true),
+            ("/host".to_owned(), true),
         ]
+    );
+    // The host's `/` at /host, never over the image's /usr or /lib; the agent reads the
+    // driver root there, and the driver root is the pools' unless the chart sets one.
+    let host = c["volumeMounts"]
+        .as_array()
+        .and_then(|m| m.iter().find(|m| m["mountPath"] == "/host"))
+        .context("/host mount")?;
+    assert_eq!(host["mountPropagation"], "HostToContainer");
+    let volume = pod["volumes"]
+        .as_array()
+        .and_then(|v| v.iter().find(|v| v["name"] == host["name"]))
+        .context("host-root volume")?;
+    assert_eq!(volume["hostPath"]["path"], "/");
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .context("args")?
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    assert!(args.contains(&"--host-root=/host"), "{args:?}");
+    assert!(
+        !args.iter().any(|a| a.starts_with("--driver-root")),
+        "{args:?}"
+    );
+    let text = template(
+        &tools,
+        "gpupool",
+        "gpupool-system",
+        &["agent.hostPaths.driverRoot=/run/nvidia/driver"],
+    )?;
+    assert!(
+        text.contains("- --driver-root=/run/nvidia/driver"),
+        "{text}"
     );
 
     // The operator's pod delete is opt-in.
