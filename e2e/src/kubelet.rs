@@ -1,7 +1,8 @@
 //! The real-kubelet layer for tests: `e2e/kubelet` brings up one kubelet (node `real-node-0`)
 //! beside the kwok nodes, on the in-memory runtime ([`Runtime::FakeCri`]) or on containerd with
-//! runc ([`Runtime::Containerd`]); [`Agent`] runs our node agent for it as a host process on the
-//! fake NVML. One kubelet per machine: its device-plugin directory is compiled in.
+//! runc ([`Runtime::Containerd`]); [`Agent`] runs our node agent for it on the fake NVML, as a
+//! host process or as a container laid out as the chart runs it. One kubelet per machine: its
+//! device-plugin directory is compiled in.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -252,6 +253,8 @@ impl Drop for RealKubelet {
 /// The agent for `real-node-0`; SIGKILLed on drop.
 pub struct Agent {
     child: Child,
+    /// Set when the agent runs as a container (its task is killed on drop).
+    container: Option<AgentContainer>,
     /// The agent's log.
     pub log: PathBuf,
     /// The fake NVML's state file.
@@ -331,6 +334,131 @@ impl Agent {
             .context("starting the agent")?;
         Ok(Agent {
             child,
+            container: None,
+            log,
+            state,
+            cdi_spec: setup.cdi_dir.join("gpupool-nvidia.yaml"),
+            fixture,
+        })
+    }
+
+    /// Starts the agent as a container on containerd, laid out as the chart runs it: a root
+    /// file system of its own (the agent binary, and the loader and libraries it links, taken
+    /// from this machine), the host's `/` read-only at `/host` with `--host-root=/host` (so
+    /// nothing of the host is mounted over the image's `/usr` or `/lib`), the kubelet's
+    /// directories and the CDI directory at their own paths, privileged, in the host's PID
+    /// namespace. No `--nvml-lib`: NVML is loaded by full path from the driver root, found
+    /// through its ld.so.cache. The host network stands in for the cluster's service network,
+    /// which this test bed has no proxy for.
+    pub fn start_in_container(
+        dir: &Path,
+        kubelet: &RealKubelet,
+        cluster: &Cluster,
+        setup: &AgentSetup,
+    ) -> Result<Agent> {
+        let ctr = kubelet
+            .ctr
+            .clone()
+            .context("the agent runs as a container on containerd only")?;
+        let (agent, nvml) = agent_binaries(dir)?;
+        let rootfs = dir.join("agent-rootfs");
+        image_root(&rootfs, &agent, &[&nvml])?;
+        let fixture = dir.join("fixture.yaml");
+        fs::write(&fixture, &setup.fixture)?;
+        let kmsg = dir.join("kmsg");
+        fs::write(&kmsg, "")?;
+        let log = dir.join("agent.log");
+        let state = dir.join("nvml-state.json");
+        let kubelet_dir = kubelet
+            .device_plugin_dir
+            .parent()
+            .context("device-plugin dir has no parent")?;
+        let pod_resources_dir = kubelet
+            .pod_resources
+            .parent()
+            .context("pod-resources socket has no parent")?;
+        let at_host = |p: &Path| Path::new("/host").join(p.strip_prefix("/").unwrap_or(p));
+        let id = format!("gpupool-agent-{}", std::process::id());
+        let mount = |src: &Path, dst: &Path, options: &str| {
+            format!(
+                "type=bind,src={},dst={},options={options}",
+                src.display(),
+                dst.display()
+            )
+        };
+        let driver_root = &setup.driver_root;
+        let mut cmd = Command::new(&ctr);
+        cmd.arg("--address")
+            .arg(&kubelet.cri_socket)
+            .args(["run", "--rm", "--privileged", "--net-host"])
+            .arg("--with-ns=pid:/proc/1/ns/pid")
+            .arg("--mount")
+            .arg(mount(Path::new("/"), Path::new("/host"), "rbind:ro:rslave"))
+            .arg("--mount")
+            .arg(mount(
+                &kubelet.device_plugin_dir,
+                &kubelet.device_plugin_dir,
+                "rbind:rw",
+            ))
+            .arg("--mount")
+            .arg(mount(pod_resources_dir, pod_resources_dir, "rbind:ro"))
+            .arg("--mount")
+            .arg(mount(&setup.cdi_dir, &setup.cdi_dir, "rbind:rw"))
+            // The fake NVML keeps its state in a file it rewrites.
+            .arg("--mount")
+            .arg(mount(dir, dir, "rbind:rw"));
+        let env = [
+            ("GPUPOOL_FAKE_NVML_FIXTURE", fixture.clone()),
+            ("GPUPOOL_FAKE_NVML_STATE", state.clone()),
+            ("KUBECONFIG", at_host(cluster.kubeconfig())),
+            ("RUST_LOG", PathBuf::from("info")),
+        ];
+        for (k, v) in env.iter().chain(
+            setup
+                .nvml_dev_dir
+                .as_ref()
+                .map(|d| ("GPUPOOL_FAKE_NVML_DEV_DIR", at_host(d)))
+                .iter(),
+        ) {
+            cmd.arg("--env").arg(format!("{k}={}", v.display()));
+        }
+        cmd.arg("--rootfs")
+            .arg(&rootfs)
+            .arg(&id)
+            .arg("/gpupool-device-plugin")
+            .arg(format!("--node-name={}", kubelet.node))
+            .arg(format!("--kubelet-dir={}", kubelet_dir.display()))
+            .arg(format!(
+                "--pod-resources-socket={}",
+                kubelet.pod_resources.display()
+            ))
+            .arg(format!("--cdi-dir={}", setup.cdi_dir.display()))
+            .arg("--host-root=/host")
+            .arg(format!("--driver-root={}", driver_root.display()))
+            .arg(format!(
+                "--proc-root={}",
+                at_host(&driver_root.join("proc")).display()
+            ))
+            .arg(format!("--kmsg-path={}", at_host(&kmsg).display()))
+            .args([
+                "--backend=nvml",
+                "--metrics-addr=127.0.0.1:0",
+                "--validate-interval-secs=2",
+            ]);
+        let out = fs::File::create(&log)?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .context("starting the agent's container with ctr")?;
+        Ok(Agent {
+            child,
+            container: Some(AgentContainer {
+                ctr,
+                address: kubelet.cri_socket.clone(),
+                id,
+            }),
             log,
             state,
             cdi_spec: setup.cdi_dir.join("gpupool-nvidia.yaml"),
@@ -402,11 +530,84 @@ pub struct AgentSetup {
     pub nvml_dev_dir: Option<PathBuf>,
 }
 
+/// The agent's container: `ctr`, containerd's socket and the container's id.
+struct AgentContainer {
+    ctr: PathBuf,
+    address: PathBuf,
+    id: String,
+}
+
 impl Drop for Agent {
     fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Agent {
+    /// Kills the agent (its container's task too) and waits for it; again is a no-op.
+    pub fn stop(&mut self) {
+        if let Some(c) = self.container.take() {
+            // Killing the `ctr run` client would leave the task running.
+            for args in [
+                &["task", "kill", "--signal", "SIGKILL"][..],
+                &["container", "rm"][..],
+            ] {
+                let _ = Command::new(&c.ctr)
+                    .arg("--address")
+                    .arg(&c.address)
+                    .args(args)
+                    .arg(&c.id)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status();
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Lays out a root file system at `root` for `binary` (copied to `/<file name>`): the
+/// dynamic loader and every library that it and `also` (libraries it loads at run time)
+/// link, as `ldd` finds them on this machine, at the same paths. Nothing else: no shell,
+/// no `/usr/bin`; an image as bare as the distroless one the agent ships in.
+pub fn image_root(root: &Path, binary: &Path, also: &[&Path]) -> Result<()> {
+    let _ = fs::remove_dir_all(root);
+    for d in ["etc", "tmp", "proc", "sys", "dev", "host"] {
+        fs::create_dir_all(root.join(d))?;
+    }
+    let name = binary.file_name().context("binary has no file name")?;
+    fs::copy(binary, root.join(name)).with_context(|| format!("copying {}", binary.display()))?;
+    for object in std::iter::once(binary).chain(also.iter().copied()) {
+        let out = Command::new("ldd")
+            .arg(object)
+            .output()
+            .context("running ldd")?;
+        ensure!(
+            out.status.success(),
+            "ldd {}: {}",
+            object.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            // `libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x…)` or `/lib64/ld-linux-x86-64.so.2 (0x…)`.
+            let path = line
+                .split("=>")
+                .last()
+                .and_then(|p| p.split_whitespace().next())
+                .filter(|p| p.starts_with('/'));
+            let Some(path) = path else { continue };
+            let dest = root.join(path.trim_start_matches('/'));
+            if let Some(parent) = dest.parent() {
+                fs::create_dir_all(parent)?;
+            }
+            // The file the path leads to, under the name the loader asks for.
+            fs::copy(path, &dest).with_context(|| format!("copying {path}"))?;
+        }
+    }
+    fs::write(root.join("etc/passwd"), "root:x:0:0:root:/:/sbin/nologin\n")?;
+    Ok(())
 }
 
 // --- cluster helpers ---------------------------------------------------------------------------

@@ -58,6 +58,8 @@ pub struct GpuNodeHost {
     pub driver_root: PathBuf,
     /// The status the agent first reported once `ready` held.
     pub status: GpuNodeStatus,
+    /// What the agent runs on (to start it again).
+    setup: AgentSetup,
 }
 
 impl GpuNodeHost {
@@ -150,7 +152,17 @@ impl GpuNodeHost {
             dir,
             driver_root,
             status: gn.status.unwrap_or_default(),
+            setup,
         })
+    }
+
+    /// Stops the agent and starts it again as a container laid out as the chart runs it
+    /// ([`Agent::start_in_container`]), on the same fake NVML state and driver root.
+    pub fn agent_in_container(&mut self, cluster: &Cluster, kubelet: &RealKubelet) -> Result<()> {
+        // The host process goes first: two agents would fight over the plugin sockets.
+        self.agent.stop();
+        self.agent = Agent::start_in_container(&self.dir, kubelet, cluster, &self.setup)?;
+        Ok(())
     }
 }
 

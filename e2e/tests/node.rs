@@ -23,7 +23,10 @@
 //! 5. a pod asking for `nvidia.com/mig-1g.10gb: 1`: the parent GPU's node and that slice's
 //!    `nvidia-caps` nodes, no other GPU;
 //! 6. the CDI spec deleted under the running agent: the agent reports it and writes it again,
-//!    and a new GPU pod starts.
+//!    and a new GPU pod starts;
+//! 7. the agent run again as a container laid out as the chart runs it (its own root file
+//!    system and loader, the host's `/` read-only at `/host`, NVML loaded by full path from the
+//!    driver root): the same spec, byte for byte, and a GPU pod starts through it.
 //!
 //! Opt-in with the rest of the real-kubelet layer (`GPUPOOL_E2E_KUBELET=1`); `e2e/kubelet check`
 //! with the containerd runtime says why it cannot run otherwise.
@@ -225,7 +228,7 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
             profiles: BTreeMap::from([("1g.10gb".to_owned(), 3)]),
         }],
     };
-    let host = GpuNodeHost::start(cluster, &scope, &kubelet, 2, mig, |s| {
+    let mut host = GpuNodeHost::start(cluster, &scope, &kubelet, 2, mig, |s| {
         s.mig.state == MigState::Applied && s.gpus.first().is_some_and(|g| g.mig_devices.len() == 3)
     })
     .await?;
@@ -442,7 +445,71 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
     check_driver_loads(&probe, &name)?;
     delete_pod_and_wait(&client, &scope, &name).await?;
 
+    // 7. The agent as the chart runs it: a container with a root file system of its own, the
+    // host's `/` read-only at /host and nothing mounted over its /usr or /lib, NVML loaded by
+    // full path from the driver root (whose /lib holds no loader at all). It writes the very
+    // spec the host process wrote, naming host paths, and a GPU pod starts through it.
     let dir = dir.clone();
+    let spec_path = host.agent.cdi_spec.clone();
+    let spec_before = fs::read_to_string(&spec_path)?;
+    host.agent.stop();
+    fs::remove_file(&spec_path)?;
+    ensure!(
+        !host.driver_root.join("lib64/ld-linux-x86-64.so.2").exists()
+            && !host.driver_root.join("lib/ld-2.31.so").exists(),
+        "the driver root has a loader of its own"
+    );
+    host.agent_in_container(cluster, &kubelet)?;
+    let agent = &host.agent;
+    poll(
+        "the agent's container to write the CDI spec",
+        Duration::from_secs(90),
+        Duration::from_millis(200),
+        || async { Ok(spec_path.exists().then_some(())) },
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let spec_after = fs::read_to_string(&spec_path)?;
+    ensure!(
+        spec_after == spec_before,
+        "the containerized agent wrote another spec:\n--- host process\n{spec_before}\n--- container\n{spec_after}"
+    );
+    let log = agent.log_text();
+    let nvml = format!(
+        "/host{}/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.54.15",
+        host.driver_root.display()
+    );
+    ensure!(
+        log.contains("NVML found") && log.contains(&nvml),
+        "the agent did not load NVML from the driver root by full path ({nvml}):\n{log}"
+    );
+    wait_node_resources(
+        &client,
+        &node,
+        "1 GPU and 3 × 1g.10gb in allocatable from the containerized agent",
+        Duration::from_secs(60),
+        &[(GPU, Some(1), Some(1)), (MIG_1G, Some(3), Some(3))],
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let name = scope.name("agent-container");
+    let pod = probe_pod(
+        &scope,
+        &name,
+        &node,
+        PROBE_IMAGE,
+        &PROBE_COMMAND,
+        Some(GPU),
+        &dir,
+        false,
+    )?;
+    let (probe, _) = run_probe(&client, &scope, &kubelet, &pod)
+        .await
+        .with_context(|| agent.log_text())?;
+    check_devices(&probe, &name, &whole)?;
+    check_driver_loads(&probe, &name)?;
+    delete_pod_and_wait(&client, &scope, &name).await?;
+
     drop(host);
     let _ = fs::remove_dir_all(&dir);
     Ok(())
