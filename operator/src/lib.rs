@@ -3,7 +3,8 @@
 //!
 //! Decisions live in pure functions ([`pool`], [`membership`], [`layout`], [`reclaim`],
 //! [`demand`]); [`controller`], [`drain`] and [`reclaim_run`] do the I/O around them, sharing
-//! the [`context`] the controller builds.
+//! the [`context`] the controller builds. [`lifecycle`] is what the chart's install and uninstall
+//! hooks run.
 
 pub mod context;
 pub mod controller;
@@ -12,6 +13,7 @@ pub mod drain;
 pub mod error;
 pub mod http;
 pub mod layout;
+pub mod lifecycle;
 pub mod membership;
 pub mod metrics;
 pub mod pool;

@@ -6,10 +6,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use gpupool_operator::context::Settings;
 use gpupool_operator::controller;
 use gpupool_operator::http::{self, HttpState};
+use gpupool_operator::lifecycle::{self, UninstallOptions};
 use gpupool_operator::metrics::Metrics;
 use gpupool_operator::startup;
 use kube::Client;
@@ -62,6 +63,58 @@ struct Args {
     /// Seconds to wait for the CRDs to be Established at start.
     #[arg(long, env = "GPUPOOL_CRD_TIMEOUT", default_value_t = 60)]
     crd_timeout: u64,
+    /// A one-off task instead of the controller (the chart's hooks run these).
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+/// One-off tasks.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Before the operator is removed: deletes the GpuPools (those `--pool-selector` matches)
+    /// and waits for the operator and agents to clean up; whatever is left after the timeout
+    /// (finalizers, GpuNodes, `gpupool.io/*` node labels, the driver taint) it removes itself.
+    Uninstall {
+        /// Seconds the operator and the agents get before this cleans up itself.
+        #[arg(long, default_value_t = 120)]
+        timeout_secs: u64,
+    },
+    /// Applies a GpuPool (JSON: metadata.name, labels, spec) server-side as the chart's field
+    /// manager: created when missing, updated in place otherwise, so its status stays.
+    ApplyPool {
+        /// The pool, as JSON.
+        #[arg(long, env = "GPUPOOL_POOL_JSON")]
+        pool_json: String,
+    },
+}
+
+/// Runs a one-off task.
+async fn run_command(command: &Command, args: &Args) -> Result<()> {
+    let client = Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster or KUBECONFIG)")?;
+    match command {
+        Command::Uninstall { timeout_secs } => {
+            let opts = UninstallOptions {
+                pool_selector: args.pool_selector.clone(),
+                timeout: Duration::from_secs(*timeout_secs),
+                poll: Duration::from_secs(1),
+            };
+            let report = lifecycle::uninstall(client, &opts)
+                .await
+                .context("uninstall cleanup")?;
+            info!(?report, "uninstall cleanup done");
+        }
+        Command::ApplyPool { pool_json } => {
+            let pool: serde_json::Value =
+                serde_json::from_str(pool_json).context("--pool-json is not JSON")?;
+            let applied = lifecycle::apply_pool(client, &pool)
+                .await
+                .context("applying the default pool")?;
+            info!(pool = %kube::ResourceExt::name_any(&applied), "default pool applied");
+        }
+    }
+    Ok(())
 }
 
 fn init_logs(args: &Args) -> Result<()> {
@@ -105,6 +158,9 @@ async fn main() -> Result<()> {
     // build), feature unification also compiles rustls's aws-lc-rs provider in, and rustls then
     // refuses to pick a default on its own. Choose ring explicitly, as the agent does.
     let _ = rustls::crypto::ring::default_provider().install_default();
+    if let Some(command) = &args.command {
+        return run_command(command, &args).await;
+    }
     if args.lease_grace >= args.lease_duration {
         bail!("--lease-grace must be shorter than --lease-duration");
     }

@@ -77,7 +77,17 @@ impl NodeLabeler {
     /// Applies the labels `inventory` calls for, unless they are the ones last applied. A failed
     /// write is logged and tried again next time.
     pub async fn apply(&mut self, inventory: &Inventory) {
-        let labels = node_labels(inventory);
+        self.write(node_labels(inventory)).await;
+    }
+
+    /// Takes the agent's labels off the Node (its GpuNode is gone: the node left every pool,
+    /// or gpupool is being uninstalled). An apply with no labels releases the ones this field
+    /// manager owned, and the API server removes them; labels others set stay.
+    pub async fn clear(&mut self) {
+        self.write(BTreeMap::new()).await;
+    }
+
+    async fn write(&mut self, labels: BTreeMap<String, String>) {
         if self.applied.as_ref() == Some(&labels) {
             return;
         }
@@ -141,6 +151,37 @@ mod tests {
         labeler.apply(&inv).await; // refused: not remembered
         labeler.apply(&inv).await; // applied
         labeler.apply(&inv).await; // unchanged: no request
+        drop(labeler);
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn clearing_applies_no_labels_once() {
+        let (client, mock) = ApiMock::new();
+        let apply = |count: Option<&'static str>| Expect {
+            method: "PATCH",
+            path: "/api/v1/nodes/node-a",
+            query: &["fieldManager=gpupool-agent", "force=true"],
+            status: 200,
+            check: Box::new(move |body: &serde_json::Value| {
+                let labels = &body["metadata"]["labels"];
+                match count {
+                    Some(c) => assert_eq!(labels["gpupool.io/gpu.count"], c, "{body}"),
+                    // Owned labels left out of an apply are removed by the API server.
+                    None => assert_eq!(labels, &serde_json::json!({}), "{body}"),
+                }
+            }),
+            reply: Some(serde_json::json!({
+                "apiVersion": "v1", "kind": "Node", "metadata": { "name": "node-a" },
+            })),
+        };
+        let server = mock.serve(vec![apply(Some("2")), apply(None), apply(Some("2"))]);
+        let mut labeler = NodeLabeler::new(client, "node-a".into());
+        let inv = inventory();
+        labeler.apply(&inv).await;
+        labeler.clear().await;
+        labeler.clear().await; // already cleared: no request
+        labeler.apply(&inv).await; // back in a pool: labelled again
         drop(labeler);
         server.await.unwrap();
     }

@@ -207,6 +207,7 @@ impl Agent {
         }
 
         let mut plugins_started = false;
+        let mut node_gone = false;
         let mut wake: Option<Instant> = None;
         loop {
             let sleep = match wake {
@@ -227,6 +228,7 @@ impl Agent {
                 }
                 changed = node_rx.changed() => {
                     if changed.is_err() { break; }
+                    node_gone = node_rx.borrow().is_none();
                 }
                 changed = health_rx.changed() => {
                     if changed.is_err() { break; }
@@ -236,6 +238,12 @@ impl Agent {
             }
             let gpunode = node_rx.borrow_and_update().clone();
             let Some(gpunode) = gpunode else {
+                // Out of every pool (or gpupool is being uninstalled): the hardware-fact
+                // labels go with the GpuNode.
+                if node_gone {
+                    state.released().await;
+                    node_gone = false;
+                }
                 wake = None;
                 continue;
             };

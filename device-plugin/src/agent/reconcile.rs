@@ -52,6 +52,11 @@ pub struct NodeState {
 }
 
 impl NodeState {
+    /// The GpuNode is gone: takes the agent's labels off the Node.
+    pub(super) async fn released(&mut self) {
+        self.labels.clear().await;
+    }
+
     /// The state of a freshly started agent.
     pub fn new(agent: &Agent) -> NodeState {
         let now = Instant::now();
