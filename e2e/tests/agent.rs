@@ -654,6 +654,28 @@ async fn agent_validates_writes_cdi_tracks_idleness_and_stays_quiet() -> Result<
         mtime(&host.spec_file())? == spec_mtime,
         "restart rewrote an unchanged CDI spec"
     );
+
+    // The GpuNode deleted (the node left every pool, or gpupool is being uninstalled): the
+    // agent takes its hardware-fact labels off; labels others set stay.
+    Api::<GpuNode>::all(client.clone())
+        .delete(&node, &DeleteParams::default())
+        .await?;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let labels = poll(
+        "the agent to take its labels off the Node",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async {
+            let labels = nodes.get(&node).await?.labels().clone();
+            Ok((!labels.keys().any(|k| k.starts_with("gpupool.io/"))).then_some(labels))
+        },
+    )
+    .await
+    .with_context(|| again.log_text())?;
+    ensure!(
+        labels.get("e2e.gpupool.io/other").map(String::as_str) == Some("keep"),
+        "{labels:?}"
+    );
     again.terminate().await?;
     Ok(())
 }

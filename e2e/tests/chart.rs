@@ -24,6 +24,7 @@ use gpupool_e2e::{Cluster, TestScope, Tools, crds, repo_root};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Api;
+use serde_json::json;
 use kube::runtime::wait::{await_condition, conditions};
 use support::{Release, chart_dir, helm, helm_try};
 
@@ -87,6 +88,96 @@ fn crd_templates_are_kept_on_uninstall_and_optional() -> Result<()> {
     assert_eq!(with.matches("helm.sh/resource-policy: keep").count(), 2);
     let without = template(&tools, "gpupool", "gpupool-system", &["crds.install=false"])?;
     assert!(!without.contains("kind: CustomResourceDefinition"));
+    Ok(())
+}
+
+/// The hooks: a pre-delete uninstall Job by default, a post-install/post-upgrade Job that
+/// applies the default pool (never a GpuPool hook, which an upgrade would delete and create
+/// again), both run by the operator's image with a ServiceAccount of their own.
+#[test]
+fn hooks_clean_up_on_uninstall_and_apply_the_default_pool_in_place() -> Result<()> {
+    let tools = Tools::ensure()?;
+    let docs = |sets: &[&str]| -> Result<Vec<serde_json::Value>> {
+        let text = template(&tools, "r", "gs", sets)?;
+        Ok(parse_objects(&text, std::path::Path::new("helm-template"))?
+            .into_iter()
+            .map(|m| serde_json::to_value(&m.object))
+            .collect::<Result<_, _>>()?)
+    };
+    let hook = |o: &serde_json::Value| {
+        o["metadata"]["annotations"]["helm.sh/hook"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let job = |docs: &[serde_json::Value], name: &str| {
+        docs.iter()
+            .find(|o| o["kind"] == "Job" && o["metadata"]["name"] == name)
+            .cloned()
+    };
+
+    let default = docs(&[])?;
+    let uninstall = job(&default, "r-gpupool-hooks-uninstall").context("no uninstall Job")?;
+    assert_eq!(hook(&uninstall), "pre-delete");
+    let pod = &uninstall["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], "r-gpupool-hooks");
+    let c = &pod["containers"][0];
+    assert_eq!(c["image"], "ghcr.io/gpupool/gpupool-operator:0.1.0");
+    assert_eq!(
+        c["args"],
+        json!(["--log=info", "uninstall", "--timeout-secs=120"])
+    );
+    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
+    for kind in ["ServiceAccount", "ClusterRole", "ClusterRoleBinding"] {
+        let o = default
+            .iter()
+            .find(|o| o["kind"] == kind && o["metadata"]["name"] == "r-gpupool-hooks")
+            .with_context(|| format!("no hook {kind}"))?;
+        assert_eq!(hook(o), "pre-delete", "{kind}");
+        // Made before the Job, gone after it.
+        assert_eq!(o["metadata"]["annotations"]["helm.sh/hook-weight"], "-10");
+    }
+    assert!(default.iter().all(|o| o["kind"] != "GpuPool"));
+
+    let with_pool = docs(&[
+        "defaultPool.enabled=true",
+        "defaultPool.name=shared",
+        "operator.poolSelector=tier=gpu",
+    ])?;
+    assert!(
+        with_pool.iter().all(|o| o["kind"] != "GpuPool"),
+        "the default pool must not be a hook object"
+    );
+    let apply = job(&with_pool, "r-gpupool-hooks-default-pool").context("no default-pool Job")?;
+    assert_eq!(hook(&apply), "post-install,post-upgrade");
+    let c = &apply["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(
+        c["args"],
+        json!(["--log=info", "--pool-selector=tier=gpu", "apply-pool"])
+    );
+    let pool: serde_json::Value = serde_json::from_str(
+        c["env"][0]["value"]
+            .as_str()
+            .context("no GPUPOOL_POOL_JSON")?,
+    )?;
+    assert_eq!(c["env"][0]["name"], "GPUPOOL_POOL_JSON");
+    assert_eq!(pool["metadata"]["name"], "shared");
+    assert_eq!(
+        pool["spec"]["nodeSelector"]["matchLabels"]["nvidia.com/gpu.present"],
+        "true"
+    );
+    let sa = with_pool
+        .iter()
+        .find(|o| o["kind"] == "ServiceAccount" && o["metadata"]["name"] == "r-gpupool-hooks")
+        .context("no hook ServiceAccount")?;
+    assert_eq!(hook(sa), "pre-delete,post-install,post-upgrade");
+
+    // Both off: no hooks at all.
+    let none = docs(&["uninstall.cleanup=false"])?;
+    assert!(
+        none.iter().all(|o| hook(o).is_empty()),
+        "hooks rendered with uninstall.cleanup=false"
+    );
     Ok(())
 }
 
@@ -300,7 +391,7 @@ async fn rendered_chart_passes_strict_server_side_validation() -> Result<()> {
             "commonLabels.team=ml",
         ],
     )?;
-    assert!(out.contains("gpupool.gpupool.io/"), "{out}");
+    assert!(out.contains("-hooks-default-pool"), "{out}");
     assert!(!out.contains("customresourcedefinition"), "{out}");
     assert!(!out.contains("validatingadmissionpolicy"), "{out}");
     Ok(())

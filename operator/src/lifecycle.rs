@@ -10,6 +10,7 @@
 //! The default pool is applied server-side with its own field manager, so an upgrade changes
 //! its spec in place: the pool, its status, its GpuNodes and its reclaim history stay.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
@@ -81,6 +82,13 @@ pub async fn uninstall(client: Client, opts: &UninstallOptions) -> Result<Uninst
         }
     }
     info!(pools = ?report.pools_deleted, "GpuPools deleted; waiting for the operator to clean up");
+    // The nodes these pools hold. With a pool selector (operators sharded by it) only these
+    // are this release's; without one every node marked by gpupool is.
+    let concerned = if opts.pool_selector.is_some() {
+        Some(pool_nodes(&client, &names).await?)
+    } else {
+        None
+    };
 
     let deadline = tokio::time::Instant::now() + opts.timeout;
     let left = loop {
@@ -106,7 +114,11 @@ pub async fn uninstall(client: Client, opts: &UninstallOptions) -> Result<Uninst
     let nodes: Api<Node> = Api::all(client.clone());
     let deadline = tokio::time::Instant::now() + opts.timeout;
     loop {
-        let marked = marked_nodes(&nodes).await?;
+        let marked: Vec<Node> = marked_nodes(&nodes)
+            .await?
+            .into_iter()
+            .filter(|n| concerned.as_ref().is_none_or(|c| c.contains(&n.name_any())))
+            .collect();
         if marked.is_empty() {
             break;
         }
@@ -201,6 +213,34 @@ async fn release_pool(
         }
     }
     Ok(())
+}
+
+/// The nodes the pools `names` hold: labelled with one of them, or with a GpuNode of one.
+async fn pool_nodes(client: &Client, names: &[String]) -> Result<BTreeSet<String>, Error> {
+    let mut found = BTreeSet::new();
+    let nodes = Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(Error::kube("list", "nodes", "listing Nodes"))?;
+    for node in nodes.items {
+        if node
+            .labels()
+            .get(POOL_LABEL)
+            .is_some_and(|p| names.contains(p))
+        {
+            found.insert(node.name_any());
+        }
+    }
+    let gpunodes = Api::<GpuNode>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(Error::kube("list", "gpunodes", "listing GpuNodes"))?;
+    for gn in gpunodes.items {
+        if names.contains(&gn.spec.pool) {
+            found.insert(gn.name_any());
+        }
+    }
+    Ok(found)
 }
 
 /// Nodes with a `gpupool.io/` label or the driver taint.
