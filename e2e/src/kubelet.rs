@@ -391,7 +391,9 @@ impl Agent {
         cmd.arg("--address")
             .arg(&kubelet.cri_socket)
             .args(["run", "--rm", "--privileged", "--net-host"])
-            .arg("--with-ns=pid:/proc/1/ns/pid")
+            // The host's PID namespace (hostPID), named by this process's: PID 1 may be
+            // another security context's, whose namespace links runc cannot open.
+            .arg(format!("--with-ns=pid:/proc/{}/ns/pid", std::process::id()))
             .arg("--mount")
             .arg(mount(Path::new("/"), Path::new("/host"), "rbind:ro:rslave"))
             .arg("--mount")

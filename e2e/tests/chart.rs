@@ -24,8 +24,8 @@ use gpupool_e2e::{Cluster, TestScope, Tools, crds, repo_root};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Api;
-use serde_json::json;
 use kube::runtime::wait::{await_condition, conditions};
+use serde_json::json;
 use support::{Release, chart_dir, helm, helm_try};
 
 const CRDS: [&str; 2] = ["gpupools.gpupool.io", "gpunodes.gpupool.io"];
