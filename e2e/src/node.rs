@@ -37,15 +37,32 @@ pub const FAKE_DIR: &str = "/gpupool-fake";
 /// with their sonames (the fake NVML and fake CUDA driver installed as the driver's), the soname
 /// links and `etc/ld.so.cache`. Needs root (mknod, ldconfig) and a C compiler.
 pub fn real_driver_root(root: &Path, gpus: u32) -> Result<()> {
+    let smi = root.with_file_name("nvidia-smi");
+    fake_nvidia_smi(&smi)?;
     let options = gpupool_sim::driver_root::BuildOptions {
         elf_libraries: true,
         device_nodes: gpupool_sim::driver_root::DeviceNodes::CharDevices,
         nvml: Some(artifacts::fake_nvml_library()?),
         cuda: Some(artifacts::fake_cuda_library()?),
+        nvidia_smi: Some(smi),
         ldconfig: true,
     };
     gpupool_sim::driver_root::build_with(root, DRIVER, gpus, &options)
         .with_context(|| format!("building the driver root {}", root.display()))
+}
+
+/// Compiles `e2e/fake-nvml/nvidia-smi.c` to `out`: `nvidia-smi -L` through the driver's NVML.
+pub fn fake_nvidia_smi(out: &Path) -> Result<()> {
+    let source = repo_root().join("e2e/fake-nvml/nvidia-smi.c");
+    let status = std::process::Command::new("cc")
+        .args(["-O2", "-Wall", "-o"])
+        .arg(out)
+        .arg(&source)
+        .arg("-ldl")
+        .status()
+        .context("running cc for the fake nvidia-smi")?;
+    anyhow::ensure!(status.success(), "cc {}: {status}", source.display());
+    Ok(())
 }
 
 /// The kubelet's node, its agent and their files.

@@ -172,11 +172,36 @@ fn hooks_clean_up_on_uninstall_and_apply_the_default_pool_in_place() -> Result<(
         .context("no hook ServiceAccount")?;
     assert_eq!(hook(sa), "pre-delete,post-install,post-upgrade");
 
-    // Both off: no hooks at all.
-    let none = docs(&["uninstall.cleanup=false"])?;
+    // `helm test`: one pod asking for one GPU of the configured resource, no token.
+    let test_pod = default
+        .iter()
+        .find(|o| o["kind"] == "Pod" && hook(o) == "test")
+        .context("no helm test pod")?;
+    assert_eq!(test_pod["metadata"]["name"], "r-gpupool-test-gpu");
+    assert_eq!(test_pod["spec"]["automountServiceAccountToken"], false);
+    let c = &test_pod["spec"]["containers"][0];
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], 1);
+    assert_eq!(c["image"], "docker.io/library/debian:bookworm-slim");
+    let script = c["command"][2].as_str().unwrap_or_default();
+    assert!(
+        script.contains("nvidia-smi -L") && script.contains("/dev/nvidia[0-9]*"),
+        "{script}"
+    );
+    let mig = docs(&["tests.resource=nvidia.com/mig-1g.10gb"])?;
+    let mig_pod = mig
+        .iter()
+        .find(|o| o["kind"] == "Pod" && hook(o) == "test")
+        .context("no helm test pod")?;
+    assert_eq!(
+        mig_pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/mig-1g.10gb"],
+        1
+    );
+
+    // All off: no hooks at all.
+    let none = docs(&["uninstall.cleanup=false", "tests.enabled=false"])?;
     assert!(
         none.iter().all(|o| hook(o).is_empty()),
-        "hooks rendered with uninstall.cleanup=false"
+        "hooks rendered with uninstall.cleanup=false and tests.enabled=false"
     );
     Ok(())
 }
@@ -427,6 +452,8 @@ async fn wrong_values_fail_with_the_schema_message() -> Result<()> {
         ("agent.backend=cuda", "at '/agent/backend'"),
         ("operator.metricsPort=70000", "at '/operator/metricsPort'"),
         ("crds.install=yes", "at '/crds/install'"),
+        ("tests.resource=amd.com/gpu", "at '/tests/resource'"),
+        ("uninstall.timeoutSeconds=0", "at '/uninstall/timeoutSeconds'"),
     ] {
         let run = helm_try(&tools, None, &["template", "x", &chart, "--set", set])?;
         assert!(!run.success, "{set} was accepted");

@@ -26,7 +26,9 @@
 //!    and a new GPU pod starts;
 //! 7. the agent run again as a container laid out as the chart runs it (its own root file
 //!    system and loader, the host's `/` read-only at `/host`, NVML loaded by full path from the
-//!    driver root): the same spec, byte for byte, and a GPU pod starts through it.
+//!    driver root): the same spec, byte for byte, and a GPU pod starts through it;
+//! 8. `helm install` of the chart and `helm test`: its test pod, on this node, finds the GPU's
+//!    device node and NVML (the spec's `nvidia-smi -L`) lists that GPU and no other.
 //!
 //! Opt-in with the rest of the real-kubelet layer (`GPUPOOL_E2E_KUBELET=1`); `e2e/kubelet check`
 //! with the containerd runtime says why it cannot run otherwise.
@@ -44,11 +46,12 @@ use gpupool_e2e::kubelet::{
     RealKubelet, Runtime, create_pod, delete_pod_and_wait, phase, skip_reason, wait_node_resources,
     wait_pod,
 };
-use gpupool_e2e::node::{GpuNodeHost, PROBE_CUDA_ENV_IMAGE, PROBE_IMAGE, probe_pod};
+use gpupool_e2e::node::{FAKE_DIR, GpuNodeHost, PROBE_CUDA_ENV_IMAGE, PROBE_IMAGE, probe_pod};
 use gpupool_e2e::wait::poll;
-use gpupool_e2e::{Cluster, TestScope, crds};
+use gpupool_e2e::{Cluster, TestScope, Tools, crds, repo_root};
 use k8s_openapi::api::core::v1::Pod;
-use kube::Client;
+use kube::{Api, Client};
+use serde_json::json;
 
 const GPU: &str = "nvidia.com/gpu";
 const MIG_1G: &str = "nvidia.com/mig-1g.10gb";
@@ -203,6 +206,107 @@ fn mig_cap_minors(driver_root: &Path, gpu: u32, gi: u32, ci: u32) -> Result<BTre
         .collect();
     ensure!(minors.len() == 2, "mig-minors lacks {want:?}");
     Ok(minors)
+}
+
+/// Installs the chart (CRDs already there, no images needed: its workloads land on kwok nodes),
+/// runs `helm test` with the test pod on `node`, checks what it printed, and uninstalls.
+async fn helm_test(
+    cluster: &Cluster,
+    client: &Client,
+    kubelet: &RealKubelet,
+    scope: &TestScope,
+    node: &str,
+    fake_dir: &Path,
+    uuid: &str,
+) -> Result<()> {
+    let tools = Tools::ensure()?;
+    let release = scope.name("rel");
+    let chart = repo_root().join("charts/gpupool");
+    let kubeconfig = cluster.kubeconfig().display().to_string();
+    let helm = |args: &[&str]| -> Result<String> {
+        let out = std::process::Command::new(tools.helm())
+            .args(args)
+            .args(["-n", scope.namespace(), "--kubeconfig", &kubeconfig])
+            .output()
+            .context("running helm")?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ensure!(
+            out.status.success(),
+            "helm {args:?}: {}\n{text}",
+            out.status
+        );
+        Ok(text)
+    };
+    let json = |v: serde_json::Value| v.to_string();
+    let sets = [
+        ("tests.image.repository", json!("gpupool.local/e2e/probe")),
+        ("tests.image.tag", json!("1")),
+        ("tests.image.pullPolicy", json!("Never")),
+        (
+            "tests.nodeSelector",
+            json!({"kubernetes.io/hostname": node}),
+        ),
+        (
+            "tests.tolerations",
+            json!([{"key": "e2e.gpupool.io/real-kubelet", "operator": "Exists", "effect": "NoSchedule"}]),
+        ),
+        (
+            "tests.env",
+            json!([
+                {"name": "GPUPOOL_FAKE_NVML_FIXTURE", "value": format!("{FAKE_DIR}/fixture.yaml")},
+                {"name": "GPUPOOL_FAKE_NVML_STATE", "value": format!("{FAKE_DIR}/nvml-state.json")},
+            ]),
+        ),
+        (
+            "tests.volumes",
+            json!([{"name": "fake", "hostPath": {"path": fake_dir, "type": "Directory"}}]),
+        ),
+        (
+            "tests.volumeMounts",
+            json!([{"name": "fake", "mountPath": FAKE_DIR}]),
+        ),
+        ("crds.install", json!(false)),
+    ];
+    let chart_arg = chart.display().to_string();
+    let mut args: Vec<String> = ["install", &release, &chart_arg]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    for (k, v) in &sets {
+        args.push("--set-json".into());
+        args.push(format!("{k}={}", json(v.clone())));
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    helm(&args)?;
+    // `--logs` would fetch them through the kubelet's server, by a node name this test bed
+    // cannot resolve; the container's log is read from the runtime instead.
+    let tested = helm(&["test", &release, "--timeout", "3m"]);
+    let pod_name = format!("{release}-gpupool-test-gpu");
+    let log = match Api::<Pod>::namespaced(client.clone(), scope.namespace())
+        .get(&pod_name)
+        .await
+    {
+        Ok(pod) => kubelet.container_log(&pod, "gpu")?,
+        Err(e) => format!("(test pod {pod_name}: {e})"),
+    };
+    let uninstalled = helm(&["uninstall", &release, "--wait", "--timeout", "3m"]);
+    eprintln!("e2e: helm test's pod printed:\n{log}");
+    let out = tested.with_context(|| format!("the test pod printed:\n{log}"))?;
+    ensure!(out.contains("Succeeded"), "helm test did not pass:\n{out}");
+    ensure!(
+        log.contains("ok: nvidia.com/gpu gave 1 device node(s), NVML lists 1 GPU(s)"),
+        "unexpected test output:\n{log}"
+    );
+    ensure!(
+        log.contains(&format!("(UUID: {uuid})")),
+        "the test pod's NVML did not list the allocated GPU {uuid}:\n{log}"
+    );
+    uninstalled?;
+    Ok(())
 }
 
 #[tokio::test]
@@ -509,6 +613,14 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
     check_devices(&probe, &name, &whole)?;
     check_driver_loads(&probe, &name)?;
     delete_pod_and_wait(&client, &scope, &name).await?;
+
+    // 8. `helm test`: the chart installed with its own templates, and its test pod (placed on
+    // this node, with the probe image and the fake NVML's files) checks inside its container
+    // that the GPU was injected and that NVML, through the spec's nvidia-smi and
+    // libnvidia-ml.so.1, lists exactly that GPU.
+    helm_test(cluster, &client, &kubelet, &scope, &node, &dir, &gpu1_uuid)
+        .await
+        .with_context(|| host.agent.log_text())?;
 
     drop(host);
     let _ = fs::remove_dir_all(&dir);

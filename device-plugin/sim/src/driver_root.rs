@@ -165,6 +165,9 @@ pub struct BuildOptions {
     pub nvml: Option<PathBuf>,
     /// A file installed as `libcuda.so.<driver version>` (e.g. a fake libcuda).
     pub cuda: Option<PathBuf>,
+    /// An executable installed as `usr/bin/nvidia-smi` (e.g. one that lists NVML's GPUs)
+    /// instead of the placeholder script.
+    pub nvidia_smi: Option<PathBuf>,
     /// Make the soname links (`libcuda.so.1` → `libcuda.so.<driver version>`) and run
     /// `ldconfig -r <root>` to write `etc/ld.so.cache` (needs root: ldconfig chroots).
     pub ldconfig: bool,
@@ -344,8 +347,15 @@ pub fn build_with(
     write(&format!("{LIB_DIR}/{OTHER_VERSION_LIBRARY}"), "")?;
 
     for rel in BINARIES {
-        write(rel, "#!/bin/sh\nexit 0\n")?;
         let path = root.join(rel);
+        match (&options.nvidia_smi, rel) {
+            (Some(given), "usr/bin/nvidia-smi") => {
+                parent_dirs(&path)?;
+                clear(&path)?;
+                fs::copy(given, &path).map_err(write_error(&path))?;
+            }
+            _ => write(rel, "#!/bin/sh\nexit 0\n")?,
+        }
         fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .map_err(write_error(&path))?;
     }
@@ -603,6 +613,33 @@ mod tests {
             "soname string in the file"
         );
         assert!(!dir.join(".gpupool-fake-library.c").exists());
+    }
+
+    #[test]
+    fn a_given_nvidia_smi_replaces_the_placeholder_executable() {
+        let tmp = TempRoot::new("smi");
+        let dir = &tmp.0;
+        fs::create_dir_all(dir).unwrap();
+        let smi = dir.join("smi");
+        fs::write(&smi, "fake smi").unwrap();
+        let options = BuildOptions {
+            nvidia_smi: Some(smi),
+            ..BuildOptions::default()
+        };
+        build_with(&dir.join("root"), "550.54.15", 1, &options).unwrap();
+        let installed = dir.join("root/usr/bin/nvidia-smi");
+        assert_eq!(fs::read_to_string(&installed).unwrap(), "fake smi");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            fs::metadata(&installed).unwrap().permissions().mode() & 0o777,
+            0o755
+        );
+        // The other executables keep the placeholder.
+        assert!(
+            fs::read_to_string(dir.join("root/usr/bin/nvidia-debugdump"))
+                .unwrap()
+                .starts_with("#!/bin/sh")
+        );
     }
 
     #[test]

@@ -195,6 +195,7 @@ pub fn prepare(
         device_nodes: gpupool_sim::driver_root::DeviceNodes::CharDevices,
         nvml: Some(fake_lib.to_path_buf()),
         cuda: None,
+        nvidia_smi: None,
         ldconfig: true,
     };
     gpupool_sim::driver_root::build_with(&root, &node.driver_version, node.gpus, &options)
