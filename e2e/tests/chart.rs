@@ -453,7 +453,10 @@ async fn wrong_values_fail_with_the_schema_message() -> Result<()> {
         ("operator.metricsPort=70000", "at '/operator/metricsPort'"),
         ("crds.install=yes", "at '/crds/install'"),
         ("tests.resource=amd.com/gpu", "at '/tests/resource'"),
-        ("uninstall.timeoutSeconds=0", "at '/uninstall/timeoutSeconds'"),
+        (
+            "uninstall.timeoutSeconds=0",
+            "at '/uninstall/timeoutSeconds'",
+        ),
     ] {
         let run = helm_try(&tools, None, &["template", "x", &chart, "--set", set])?;
         assert!(!run.success, "{set} was accepted");
