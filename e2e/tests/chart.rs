@@ -18,6 +18,7 @@ use std::fs;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
+use gpupool_crds::GpuPool;
 use gpupool_e2e::manifest::parse_objects;
 use gpupool_e2e::wait::poll;
 use gpupool_e2e::{Cluster, TestScope, Tools, crds, repo_root};
@@ -507,11 +508,56 @@ async fn install_upgrade_and_uninstall_keep_the_crds() -> Result<()> {
     let scope = TestScope::new(cluster, "chart-install")?;
     let kubectl = cluster.kubectl();
     let name = scope.name("gpupool");
+    // The previous chart first (as last released), then an upgrade to this one: the CRDs
+    // are upgraded in place and the pools stored under the old ones stay, same objects.
+    let previous = previous_chart(&scope)?;
     // The CRDs may already be there, applied by other tests without helm: take them over.
-    let release = install_taking_ownership(cluster, &name, scope.namespace())?;
-
+    let release = Release::install_chart(
+        cluster,
+        &previous,
+        &name,
+        scope.namespace(),
+        &["--take-ownership"],
+        &["crds.install=true"],
+    )?;
     let client = cluster.client().await?;
+    scope.track_kind("gpupools.gpupool.io");
+    let (k, v) = scope.label();
+    let pool_name = scope.name("kept");
+    let pools: Api<GpuPool> = Api::all(client.clone());
+    let pool: GpuPool = serde_json::from_value(json!({
+        "apiVersion": "gpupool.io/v1alpha1",
+        "kind": "GpuPool",
+        "metadata": {"name": pool_name, "labels": {k: v}},
+        "spec": {"nodeSelector": {"matchLabels": {"e2e.gpupool.io/none": "x"}}},
+    }))?;
+    let before = pools.create(&Default::default(), &pool).await?;
+    // Values of the older chart lack this one's new keys: helm's own way to upgrade them.
+    release.upgrade_with("--reset-then-reuse-values", &[])?;
+    let after = pools.get(&pool_name).await?;
+    ensure!(
+        after.metadata.uid == before.metadata.uid,
+        "the pool was replaced by the upgrade"
+    );
     let crd_api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let live = crd_api.get("gpupools.gpupool.io").await?;
+    let shipped: CustomResourceDefinition = serde_yaml::from_str(&fs::read_to_string(
+        repo_root().join("crds/gpupool.io_gpupools.yaml"),
+    )?)?;
+    let description = |crd: &CustomResourceDefinition| {
+        crd.spec.versions[0]
+            .schema
+            .as_ref()
+            .and_then(|s| s.open_api_v3_schema.as_ref())
+            .and_then(|s| s.description.clone())
+    };
+    ensure!(
+        description(&live) == description(&shipped) && description(&live).is_some(),
+        "the CRD was not upgraded: {:?}",
+        description(&live)
+    );
+    pools.delete(&pool_name, &Default::default()).await?;
+
     for crd in CRDS {
         tokio::time::timeout(
             Duration::from_secs(60),
@@ -565,7 +611,7 @@ async fn install_upgrade_and_uninstall_keep_the_crds() -> Result<()> {
         &["history", &name, "-n", scope.namespace(), "-o", "json"],
     )?;
     let history: serde_json::Value = serde_json::from_str(&history)?;
-    assert_eq!(history.as_array().map(Vec::len), Some(2), "{history}");
+    assert_eq!(history.as_array().map(Vec::len), Some(3), "{history}");
     let deploy = deployments.get(&release.operator_name()).await?;
     assert_eq!(deploy.spec.as_ref().and_then(|s| s.replicas), Some(1));
     let args = deploy
@@ -612,20 +658,47 @@ async fn install_upgrade_and_uninstall_keep_the_crds() -> Result<()> {
     Ok(())
 }
 
-/// `helm install --take-ownership` (helm >= 3.17): the CRDs may already exist, applied by
-/// other tests without helm; the release adopts them.
-fn install_taking_ownership(
-    cluster: &'static Cluster,
-    name: &str,
-    namespace: &str,
-) -> Result<Release> {
-    Release::install_with_args(
-        cluster,
-        name,
-        namespace,
-        &["--take-ownership"],
-        &["crds.install=true"],
-    )
+/// The commit whose chart was last released (the last landed main before the hooks and the
+/// host-root mount); the upgrade test starts from it.
+const PREVIOUS_CHART_COMMIT: &str = "b1ea7d0";
+
+/// The chart as it was at [`PREVIOUS_CHART_COMMIT`], extracted from git under `target/`.
+fn previous_chart(scope: &TestScope) -> Result<std::path::PathBuf> {
+    let dir = repo_root()
+        .join("target/e2e-previous-chart")
+        .join(scope.prefix());
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir)?;
+    let archive = std::process::Command::new("git")
+        .arg("-C")
+        .arg(repo_root())
+        .args([
+            "archive",
+            "--format=tar",
+            PREVIOUS_CHART_COMMIT,
+            "charts/gpupool",
+        ])
+        .output()
+        .context("running git archive")?;
+    ensure!(
+        archive.status.success(),
+        "git archive {PREVIOUS_CHART_COMMIT}: {} (a clone with history is needed)",
+        String::from_utf8_lossy(&archive.stderr)
+    );
+    let mut tar = std::process::Command::new("tar")
+        .arg("-x")
+        .arg("-C")
+        .arg(&dir)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .context("running tar")?;
+    {
+        use std::io::Write as _;
+        let mut stdin = tar.stdin.take().context("tar stdin")?;
+        stdin.write_all(&archive.stdout)?;
+    }
+    ensure!(tar.wait()?.success(), "tar -x of the previous chart failed");
+    Ok(dir.join("charts/gpupool"))
 }
 
 #[test]

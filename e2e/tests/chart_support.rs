@@ -92,7 +92,19 @@ impl Release {
         extra: &[&str],
         sets: &[&str],
     ) -> Result<Self> {
-        let chart = chart_dir();
+        Self::install_chart(cluster, &chart_dir(), name, namespace, extra, sets)
+    }
+
+    /// Like [`Release::install_with_args`], from the chart at `chart` (e.g. an earlier
+    /// version of ours).
+    pub fn install_chart(
+        cluster: &'static Cluster,
+        chart: &std::path::Path,
+        name: &str,
+        namespace: &str,
+        extra: &[&str],
+        sets: &[&str],
+    ) -> Result<Self> {
         let mut args = vec![
             "install",
             name,
@@ -125,6 +137,13 @@ impl Release {
 
     /// `helm upgrade` with `--reuse-values` and more `--set` values.
     pub fn upgrade(&self, sets: &[&str]) -> Result<String> {
+        self.upgrade_with("--reuse-values", sets)
+    }
+
+    /// `helm upgrade` to this chart, keeping the values as `values_flag` says
+    /// (`--reuse-values`, or `--reset-then-reuse-values` from an older chart whose values
+    /// lack this one's new keys).
+    pub fn upgrade_with(&self, values_flag: &str, sets: &[&str]) -> Result<String> {
         let chart = chart_dir();
         let mut args = vec![
             "upgrade",
@@ -132,7 +151,7 @@ impl Release {
             chart.to_str().context("chart path is not UTF-8")?,
             "-n",
             &self.namespace,
-            "--reuse-values",
+            values_flag,
             "--wait",
             "--timeout",
             "120s",
