@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::FutureExt;
 use gpupool_crds::{GpuNode, GpuPool};
 use k8s_openapi::api::core::v1::{Namespace, Node, ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
@@ -79,6 +80,29 @@ pub struct Context {
 }
 
 impl Context {
+    /// The first cache that has not yet been filled by its initial list, if any. Until every
+    /// one has, a reconcile would judge from a partial picture: a GpuNode store filled before
+    /// the Node store makes every member look gone, and its GpuNode deleted as "left".
+    pub fn unsynced_cache(&self) -> Option<&'static str> {
+        fn ready<K: kube::runtime::reflector::Lookup + Clone + 'static>(store: &Store<K>) -> bool
+        where
+            K::DynamicType: Eq + std::hash::Hash + Clone,
+        {
+            matches!(store.wait_until_ready().now_or_never(), Some(Ok(())))
+        }
+        if !ready(&self.nodes) {
+            Some("Nodes")
+        } else if !ready(&self.gpunodes) {
+            Some("GpuNodes")
+        } else if !ready(&self.pods) {
+            Some("Pods")
+        } else if !ready(&self.namespaces) {
+            Some("Namespaces")
+        } else {
+            None
+        }
+    }
+
     /// Forgets a pool's failures after a successful reconcile, so its next backoff starts low.
     pub fn reset_failures(&self, pool: &str) {
         if let Ok(mut f) = self.failures.lock() {

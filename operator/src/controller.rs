@@ -54,7 +54,17 @@ pub async fn reconcile(guard: Arc<DeserializeGuard<GpuPool>>, ctx: Arc<Context>)
                 controller: CONTROLLER,
             })
             .inc();
+        // At start or after a failover the pool store can be full before the others: wait for
+        // every cache's first list instead of acting on a partial one.
+        let unsynced = ctx.unsynced_cache();
         let result = match &guard.0 {
+            Ok(_) if unsynced.is_some() => {
+                debug!(
+                    cache = unsynced.unwrap_or_default(),
+                    "waiting for the cache's first list before reconciling"
+                );
+                Ok(Action::requeue(Duration::from_secs(1)))
+            }
             Ok(pool) => {
                 let api: Api<GpuPool> = Api::all(ctx.client.clone());
                 let pool = Arc::new(pool.clone());

@@ -6,9 +6,10 @@ use std::sync::{Arc, Mutex};
 use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
 use gpupool_crds::{GpuNode, GpuPool};
 use http::{Method, Request, Response};
-use k8s_openapi::api::core::v1::{Node, NodeSpec, Taint};
+use k8s_openapi::api::core::v1::{Namespace, Node, NodeSpec, Pod, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
+use kube::api::PartialObjectMeta;
 use kube::client::Body;
 use kube::core::DeserializeGuard;
 use kube::runtime::events::{Recorder, Reporter};
@@ -110,15 +111,29 @@ struct Fixture {
     pools: Writer<DeserializeGuard<GpuPool>>,
     nodes: Writer<Node>,
     gpunodes: Writer<GpuNode>,
+    pods: Writer<Pod>,
+    namespaces: Writer<PartialObjectMeta<Namespace>>,
 }
 
 impl Fixture {
+    /// Every cache filled by its first list (empty), as after the operator's start.
     fn new(client: Client) -> Self {
+        let mut f = Self::unsynced(client);
+        f.pools.apply_watcher_event(&watcher::Event::InitDone);
+        f.nodes.apply_watcher_event(&watcher::Event::InitDone);
+        f.gpunodes.apply_watcher_event(&watcher::Event::InitDone);
+        f.pods.apply_watcher_event(&watcher::Event::InitDone);
+        f.namespaces.apply_watcher_event(&watcher::Event::InitDone);
+        f
+    }
+
+    /// No cache has had its first list yet.
+    fn unsynced(client: Client) -> Self {
         let (pool_store, pools) = reflector::store();
         let (node_store, nodes) = reflector::store();
         let (gn_store, gpunodes) = reflector::store();
-        let (pod_store, _pods) = reflector::store();
-        let (ns_store, _ns) = reflector::store();
+        let (pod_store, pods) = reflector::store();
+        let (ns_store, namespaces) = reflector::store();
         let ctx = Arc::new(Context {
             client: client.clone(),
             evict_client: client.clone(),
@@ -144,6 +159,8 @@ impl Fixture {
             pools,
             nodes,
             gpunodes,
+            pods,
+            namespaces,
         }
     }
 
@@ -233,6 +250,37 @@ async fn an_unchanged_pool_writes_nothing() {
     f.node(&node);
     f.gpunode(&gn);
     run(f, &p, vec![], handle).await;
+}
+
+/// At start or failover the Node list can arrive after the GpuNode list. A reconcile then must
+/// not take every member for gone: it waits (requeues) and sends nothing, where it used to
+/// delete each GpuNode as "left the pool".
+#[tokio::test]
+async fn nothing_is_done_before_every_cache_has_its_first_list() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut f = Fixture::unsynced(Client::new(service, "default"));
+    let p = with_finalizer(pool("train", "2026-01-01T00:00:00Z", &[("team", "ml")]));
+    let gn = ready_gpunode(&p, "n1");
+    f.pools.apply_watcher_event(&watcher::Event::InitDone);
+    f.gpunodes.apply_watcher_event(&watcher::Event::InitDone);
+    f.pods.apply_watcher_event(&watcher::Event::InitDone);
+    f.namespaces.apply_watcher_event(&watcher::Event::InitDone);
+    f.pool(&p);
+    f.gpunode(&gn);
+    assert_eq!(f.ctx.unsynced_cache(), Some("Nodes"));
+    let verifier = tokio::spawn(verify(handle, vec![]));
+    let action = reconcile(guard(&p), f.ctx.clone()).await;
+    assert_eq!(
+        action.ok(),
+        Some(kube::runtime::controller::Action::requeue(
+            std::time::Duration::from_secs(1)
+        ))
+    );
+    // Once the Node list is in, the same reconcile acts (here: nothing to change).
+    f.nodes.apply_watcher_event(&watcher::Event::InitDone);
+    assert_eq!(f.ctx.unsynced_cache(), None);
+    drop(f);
+    verifier.await.unwrap();
 }
 
 #[tokio::test]
@@ -329,6 +377,8 @@ fn idle_job_fixture(client: Client) -> (Fixture, GpuPool) {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
     let (pod_store, mut pods) = reflector::store::<Pod>();
+    // Its first (empty) list is in; the pod arrives after.
+    pods.apply_watcher_event(&watcher::Event::InitDone);
     let mut f = Fixture::new(client);
     // The fixture's pod store is empty; give this test one with the pod in it.
     if let Some(ctx) = Arc::get_mut(&mut f.ctx) {
