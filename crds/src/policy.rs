@@ -186,6 +186,13 @@ pub struct CdiPolicy {
     /// Directory the spec is written to; the container runtime must read CDI specs from it.
     #[serde(default = "default_spec_dir")]
     #[x_kube(validation = absolute_path_rule("cdi.specDir"))]
+    #[x_kube(validation = kube::core::Rule::new(
+        "self.matches('^(/etc/cdi|/var/run/cdi|/run/cdi)(/[^/]+)*/?$')"
+    ).message(kube::core::Message::Message(
+        "cdi.specDir must be /etc/cdi, /var/run/cdi or /run/cdi (or a directory under one): the \
+         agent writes there as root, and a container runtime reads CDI specs only from such \
+         directories".into()
+    )))]
     #[schemars(length(max = 256))]
     pub spec_dir: String,
 
@@ -193,6 +200,12 @@ pub struct CdiPolicy {
     /// `/run/nvidia/driver` for a containerized one).
     #[serde(default = "default_driver_root")]
     #[x_kube(validation = absolute_path_rule("cdi.driverRoot"))]
+    #[x_kube(validation = kube::core::Rule::new(
+        "!['/proc', '/sys', '/dev', '/etc', '/var/lib/kubelet'].exists(p, self == p || self.startsWith(p + '/'))"
+    ).message(kube::core::Message::Message(
+        "cdi.driverRoot must be where the driver is installed, / or e.g. /run/nvidia/driver; \
+         not under /proc, /sys, /dev, /etc or /var/lib/kubelet".into()
+    )))]
     #[schemars(length(max = 256))]
     pub driver_root: String,
 
@@ -358,7 +371,7 @@ pub struct ReclaimPolicy {
 
     /// Utilization (percent) at or below which a sample counts as idle.
     #[serde(default = "default_idle_threshold")]
-    #[schemars(range(max = 100))]
+    #[schemars(range(max = 99))]
     pub idle_threshold: u32,
 
     /// How long every GPU of a pod must be continuously idle before the pod is warned.
@@ -473,7 +486,7 @@ pub enum ReclaimAction {
 pub struct RateLimit {
     /// Most actions per interval.
     #[serde(default = "default_max_actions")]
-    #[schemars(range(min = 1, max = 1000))]
+    #[schemars(range(min = 1, max = MAX_ACTIONS_LIMIT))]
     pub max_actions: u32,
 
     /// The interval. Between 1m and 24h.
@@ -492,6 +505,10 @@ impl Default for RateLimit {
         }
     }
 }
+
+/// The most `rateLimit.maxActions` may be: the operator counts actions in the pool's reclaim
+/// history, which keeps this many entries, so a larger limit would never be reached.
+pub const MAX_ACTIONS_LIMIT: u32 = 20;
 
 fn default_max_actions() -> u32 {
     5

@@ -30,6 +30,22 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "camelCase")]
 pub struct GpuPoolSpec {
     /// Nodes that belong to the pool. A node matched by two pools belongs to the older one.
+    #[x_kube(validation = kube::core::Rule::new(
+        "(has(self.matchLabels) && size(self.matchLabels) > 0) || (has(self.matchExpressions) && size(self.matchExpressions) > 0)"
+    ).message(kube::core::Message::Message(
+        "nodeSelector must name labels (matchLabels or matchExpressions): an empty selector \
+         selects every node in the cluster, CPU nodes included".into()
+    )))]
+    #[x_kube(validation = kube::core::Rule::new(
+        "!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn', 'Exists', 'DoesNotExist'])"
+    ).message(kube::core::Message::Message(
+        "nodeSelector.matchExpressions: operator must be In, NotIn, Exists or DoesNotExist".into()
+    )))]
+    #[x_kube(validation = kube::core::Rule::new(
+        "!has(self.matchExpressions) || self.matchExpressions.all(e, (e.operator in ['In', 'NotIn']) == (has(e.values) && size(e.values) > 0))"
+    ).message(kube::core::Message::Message(
+        "nodeSelector.matchExpressions: In and NotIn need values, Exists and DoesNotExist take none".into()
+    )))]
     pub node_selector: LabelSelector,
 
     /// Driver requirements and health checks.

@@ -20,8 +20,9 @@ use kube::core::{Selector, SelectorExt};
 /// Pod annotation set once a dry run has reported what it would have done, so the report is
 /// made once per idle period.
 pub const DRY_RUN_ANNOTATION: &str = "gpupool.io/reclaim-dry-run";
-/// Most entries in the status history.
-pub const MAX_HISTORY: usize = 20;
+/// Most entries in the status history: as many as `rateLimit.maxActions` may ask for, so the
+/// history always holds every action the limit counts.
+pub const MAX_HISTORY: usize = gpupool_crds::policy::MAX_ACTIONS_LIMIT as usize;
 
 /// What a GPU device says about its activity, as the reclaimer needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
