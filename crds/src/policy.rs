@@ -333,13 +333,23 @@ pub struct MigLayout {
 pub struct MigLayoutEntry {
     /// GPU indices this entry applies to. Absent: every GPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 16))]
+    #[schemars(length(max = 16), inner(range(max = 63)))]
+    #[x_kube(validation = kube::core::Rule::new("self.all(g, self.exists_one(x, x == g))")
+        .message("mig.layout.custom[].gpus lists a GPU index twice"))]
     pub gpus: Option<Vec<u32>>,
 
     /// GPU product names this entry applies to, as in the `nvidia.com/gpu.product` label
     /// (e.g. `NVIDIA-H100-80GB-HBM3`). Absent: every model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 16))]
+    #[schemars(
+        length(max = 16),
+        inner(
+            length(max = 63),
+            regex(pattern = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+        )
+    )]
+    #[x_kube(validation = kube::core::Rule::new("self.all(m, self.exists_one(x, x == m))")
+        .message("mig.layout.custom[].models lists a model twice"))]
     pub models: Option<Vec<String>>,
 
     /// Whether MIG mode is on for these GPUs.
@@ -517,16 +527,41 @@ fn default_rate_interval() -> Duration {
     duration_secs(10 * 60)
 }
 
+/// CEL for a label selector field: every `matchExpressions` operator is one Kubernetes knows.
+pub fn selector_operator_rule(field: &str) -> kube::core::Rule {
+    kube::core::Rule::new(
+        "!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn', 'Exists', 'DoesNotExist'])",
+    )
+    .message(kube::core::Message::Message(format!(
+        "{field}.matchExpressions: operator must be In, NotIn, Exists or DoesNotExist"
+    )))
+}
+
+/// CEL for a label selector field: `In`/`NotIn` come with values, `Exists`/`DoesNotExist`
+/// without.
+pub fn selector_values_rule(field: &str) -> kube::core::Rule {
+    kube::core::Rule::new(
+        "!has(self.matchExpressions) || self.matchExpressions.all(e, (e.operator in ['In', 'NotIn']) == (has(e.values) && size(e.values) > 0))",
+    )
+    .message(kube::core::Message::Message(format!(
+        "{field}.matchExpressions: In and NotIn need values, Exists and DoesNotExist take none"
+    )))
+}
+
 /// Pods the reclaimer never touches.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ReclaimExemptions {
     /// Namespaces whose pods are exempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = selector_operator_rule("reclaim.exemptions.namespaceSelector"))]
+    #[x_kube(validation = selector_values_rule("reclaim.exemptions.namespaceSelector"))]
     pub namespace_selector: Option<LabelSelector>,
 
     /// Pods that are exempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = selector_operator_rule("reclaim.exemptions.podSelector"))]
+    #[x_kube(validation = selector_values_rule("reclaim.exemptions.podSelector"))]
     pub pod_selector: Option<LabelSelector>,
 
     /// Pods with one of these priority classes are exempt.

@@ -36,16 +36,8 @@ pub struct GpuPoolSpec {
         "nodeSelector must name labels (matchLabels or matchExpressions): an empty selector \
          selects every node in the cluster, CPU nodes included".into()
     )))]
-    #[x_kube(validation = kube::core::Rule::new(
-        "!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn', 'Exists', 'DoesNotExist'])"
-    ).message(kube::core::Message::Message(
-        "nodeSelector.matchExpressions: operator must be In, NotIn, Exists or DoesNotExist".into()
-    )))]
-    #[x_kube(validation = kube::core::Rule::new(
-        "!has(self.matchExpressions) || self.matchExpressions.all(e, (e.operator in ['In', 'NotIn']) == (has(e.values) && size(e.values) > 0))"
-    ).message(kube::core::Message::Message(
-        "nodeSelector.matchExpressions: In and NotIn need values, Exists and DoesNotExist take none".into()
-    )))]
+    #[x_kube(validation = crate::policy::selector_operator_rule("nodeSelector"))]
+    #[x_kube(validation = crate::policy::selector_values_rule("nodeSelector"))]
     pub node_selector: LabelSelector,
 
     /// Driver requirements and health checks.
