@@ -420,38 +420,49 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
             .map(|(m, _)| m.node.as_str())
             .collect::<Vec<_>>()
     };
+    // With no node, "every node passed" would be a vacuous truth an admin reads as health.
+    let none = selected == 0;
+    let nothing = || "the pool selects no node: nothing to check".to_owned();
     let bad = not(&|v| !v.validated);
-    cond(
-        "DriverValid",
-        bad.is_empty(),
-        if bad.is_empty() {
-            "ChecksPassed"
-        } else if not(&|v| v.driver_failed).is_empty() {
-            "Pending"
-        } else {
-            "ChecksFailed"
-        },
-        if bad.is_empty() {
-            "every node passed the driver checks".into()
-        } else {
-            format!("not validated: {}", names(bad.iter().copied()))
-        },
-    );
+    if none {
+        cond("DriverValid", false, "NoNodes", nothing());
+    } else {
+        cond(
+            "DriverValid",
+            bad.is_empty(),
+            if bad.is_empty() {
+                "ChecksPassed"
+            } else if not(&|v| v.driver_failed).is_empty() {
+                "Pending"
+            } else {
+                "ChecksFailed"
+            },
+            if bad.is_empty() {
+                "every node passed the driver checks".into()
+            } else {
+                format!("not validated: {}", names(bad.iter().copied()))
+            },
+        );
+    }
     let bad = not(&|v| !v.cdi_current);
-    cond(
-        "CDIReady",
-        bad.is_empty(),
-        if bad.is_empty() {
-            "Current"
-        } else {
-            "NotCurrent"
-        },
-        if bad.is_empty() {
-            "every node has a current CDI spec".into()
-        } else {
-            format!("CDI spec missing or stale: {}", names(bad.iter().copied()))
-        },
-    );
+    if none {
+        cond("CDIReady", false, "NoNodes", nothing());
+    } else {
+        cond(
+            "CDIReady",
+            bad.is_empty(),
+            if bad.is_empty() {
+                "Current"
+            } else {
+                "NotCurrent"
+            },
+            if bad.is_empty() {
+                "every node has a current CDI spec".into()
+            } else {
+                format!("CDI spec missing or stale: {}", names(bad.iter().copied()))
+            },
+        );
+    }
     let bad = not(&|v| matches!(v.mig, MigVerdict::Pending | MigVerdict::Failed));
     cond(
         "MIGApplied",
@@ -979,6 +990,16 @@ pub(crate) mod tests {
         assert_eq!(condition_status(&st, "Ready"), Some("False"));
         let ready = st.conditions.iter().find(|c| c.type_ == "Ready").unwrap();
         assert_eq!(ready.reason, "NoNodes");
+        // No vacuous "every node passed": nothing was checked.
+        for type_ in ["DriverValid", "CDIReady"] {
+            let c = st.conditions.iter().find(|c| c.type_ == type_).unwrap();
+            assert_eq!(
+                (c.status.as_str(), c.reason.as_str()),
+                ("False", "NoNodes"),
+                "{type_}"
+            );
+            assert!(c.message.contains("selects no node"), "{}", c.message);
+        }
     }
 
     fn failure(verb: &'static str, resource: &'static str, object: &str, code: u16) -> ApiFailure {
