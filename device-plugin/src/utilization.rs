@@ -115,11 +115,15 @@ struct DeviceIdle {
     idle_run: u32,
     run_started: Option<Timestamp>,
     idle_since: Option<Timestamp>,
+    last_sample: Option<Timestamp>,
 }
 
 /// Per-device idleness with hysteresis: a device is reported idle only after `idle_samples`
 /// consecutive idle samples, with `idleSince` at the first of them; one busy sample makes it
-/// busy again and clears `idleSince`; an unknown sample makes it unknown.
+/// busy again and clears `idleSince`; an unknown sample makes it unknown. Samples further apart
+/// than the `max_gap` given to [`IdleTracker::observe`] are not consecutive: nobody looked in
+/// between (agent stopped, hung or starved), so the run starts again rather than count the gap
+/// as idle time.
 #[derive(Debug, Clone)]
 pub struct IdleTracker {
     idle_samples: u32,
@@ -135,20 +139,39 @@ impl IdleTracker {
         }
     }
 
-    /// Feeds one round of samples taken at `now` (seconds precision, as the API stores it).
-    pub fn observe(&mut self, samples: &BTreeMap<String, Activity>, now: Timestamp) {
+    /// Feeds one round of samples taken at `now` (seconds precision, as the API stores it);
+    /// a device last sampled more than `max_gap` before starts over.
+    pub fn observe(
+        &mut self,
+        samples: &BTreeMap<String, Activity>,
+        now: Timestamp,
+        max_gap: std::time::Duration,
+    ) {
         let now = Timestamp::from_second(now.as_second()).unwrap_or(now);
         self.devices.retain(|k, _| samples.contains_key(k));
         for (uuid, activity) in samples {
             let d = self.devices.entry(uuid.clone()).or_default();
+            let gap = d
+                .last_sample
+                .map(|last| now.duration_since(last).unsigned_abs());
+            if gap.is_some_and(|g| g > max_gap) {
+                *d = DeviceIdle::default();
+            }
+            d.last_sample = Some(now);
             match activity {
                 Activity::Busy => {
                     *d = DeviceIdle {
                         reported: Activity::Busy,
+                        last_sample: Some(now),
                         ..DeviceIdle::default()
                     }
                 }
-                Activity::Unknown => *d = DeviceIdle::default(),
+                Activity::Unknown => {
+                    *d = DeviceIdle {
+                        last_sample: Some(now),
+                        ..DeviceIdle::default()
+                    }
+                }
                 Activity::Idle => {
                     if d.idle_run == 0 {
                         d.run_started = Some(now);
@@ -182,9 +205,38 @@ mod tests {
         Timestamp::from_second(1_700_000_000 + s).unwrap()
     }
 
+    /// Test rounds are 30 s apart; more than 90 s is a gap.
+    const MAX_GAP: std::time::Duration = std::time::Duration::from_secs(90);
+
     fn round(t: &mut IdleTracker, a: Activity, s: i64) -> Idleness {
-        t.observe(&[("GPU-a".to_owned(), a)].into_iter().collect(), at(s));
+        t.observe(
+            &[("GPU-a".to_owned(), a)].into_iter().collect(),
+            at(s),
+            MAX_GAP,
+        );
         t.idleness("GPU-a", vec![])
+    }
+
+    #[test]
+    fn a_gap_between_samples_is_not_idle_time() {
+        let mut t = IdleTracker::new(2);
+        round(&mut t, Activity::Idle, 0);
+        let idle = round(&mut t, Activity::Idle, 30);
+        assert_eq!(idle.activity, Activity::Idle);
+        assert_eq!(idle.idle_since.map(|t| t.0), Some(at(0)));
+        // Nothing sampled for an hour (agent hung), then idle again: the run starts over at
+        // the new sample instead of claiming the GPU idle since before the gap.
+        let after = round(&mut t, Activity::Idle, 3600);
+        assert_eq!(
+            (after.activity, after.idle_since),
+            (Activity::Unknown, None)
+        );
+        let again = round(&mut t, Activity::Idle, 3630);
+        assert_eq!(again.activity, Activity::Idle);
+        assert_eq!(again.idle_since.map(|t| t.0), Some(at(3600)));
+        // Samples within the gap keep the run going.
+        let on = round(&mut t, Activity::Idle, 3700);
+        assert_eq!(on.idle_since.map(|t| t.0), Some(at(3600)));
     }
 
     #[test]
@@ -252,6 +304,7 @@ mod tests {
         t.observe(
             &[("GPU-a".to_owned(), Activity::Idle)].into_iter().collect(),
             ts,
+            MAX_GAP,
         );
         assert_eq!(
             t.idleness("GPU-a", vec![]).idle_since,

@@ -152,8 +152,8 @@ fn samples_whole_gpus_by_utilization_and_never_calls_unknown_idle() {
         .iter()
         .map(|(k, s)| (k.clone(), s.activity))
         .collect();
-    tracker.observe(&acts, now);
-    tracker.observe(&acts, now);
+    tracker.observe(&acts, now, std::time::Duration::from_secs(60));
+    tracker.observe(&acts, now, std::time::Duration::from_secs(60));
     assert!(
         tracker
             .idleness(inv.gpus[1].device.uuid.as_str(), vec![])

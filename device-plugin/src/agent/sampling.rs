@@ -65,12 +65,19 @@ impl SamplingJob {
             return;
         }
         if let (Some(backend), Some(inv)) = (backend, inventory) {
-            self.sample(backend, inv, idle_threshold).await;
+            self.sample(backend, inv, idle_threshold, interval.max(MIN_INTERVAL))
+                .await;
         }
         self.next = now + interval.max(MIN_INTERVAL);
     }
 
-    async fn sample(&mut self, backend: &Arc<dyn GpuBackend>, inv: &Inventory, threshold: u32) {
+    async fn sample(
+        &mut self,
+        backend: &Arc<dyn GpuBackend>,
+        inv: &Inventory,
+        threshold: u32,
+        interval: Duration,
+    ) {
         let inv2 = inv.clone();
         let samples = blocking(backend, move |b| utilization::sample(b, &inv2, threshold))
             .await
@@ -79,7 +86,11 @@ impl SamplingJob {
             .iter()
             .map(|(k, s)| (k.clone(), s.activity))
             .collect();
-        self.idle.observe(&activity, Timestamp::now());
+        // Three missed samples in a row (and at least a minute: reclaim waits 5 minutes at
+        // the least, so shorter stalls do not matter) break an idle run: the time nobody
+        // looked is not counted as idle.
+        let max_gap = (interval * 3).max(Duration::from_secs(60));
+        self.idle.observe(&activity, Timestamp::now(), max_gap);
         self.samples = samples;
         match podresources::list_pod_devices(&self.socket, Duration::from_secs(5)).await {
             Ok(map) => {
