@@ -83,6 +83,10 @@ pub struct PodContext<'a> {
     pub namespace_labels: Option<&'a BTreeMap<String, String>>,
     /// Whether GPU pods that could run on the pool's nodes are pending ([`crate::demand`]).
     pub demand_pending: bool,
+    /// Other pods of the same Job that have not finished (any node). With `action: Auto` a
+    /// Job is suspended only when this pod is its last: suspending it would otherwise kill
+    /// siblings that may be busy, and past their PodDisruptionBudgets.
+    pub job_siblings: usize,
 }
 
 /// What to do with a pod.
@@ -311,9 +315,10 @@ pub fn reclaim_decision(
     }
     let job = job_owner(pod);
     let kind = match (policy.action, job) {
-        (ReclaimAction::Auto, Some(job)) | (ReclaimAction::Suspend, Some(job)) => {
-            ActionKind::Suspend { job }
-        }
+        (ReclaimAction::Auto, Some(job)) if ctx.job_siblings == 0 => ActionKind::Suspend { job },
+        // Other pods of the Job still run: only this idle one goes, through the Eviction API.
+        (ReclaimAction::Auto, Some(_)) => ActionKind::Evict,
+        (ReclaimAction::Suspend, Some(job)) => ActionKind::Suspend { job },
         (ReclaimAction::Suspend, None) => {
             return Decision::Hold(
                 "action Suspend needs a Job owner and the pod has none: use Auto or Evict".into(),
@@ -436,6 +441,7 @@ mod tests {
             data_fresh: true,
             namespace_labels: None,
             demand_pending: false,
+            job_siblings: 0,
         }
     }
 
@@ -611,9 +617,34 @@ mod tests {
             },
             Case {
                 name: "deadline passed, Job pod: suspend",
-                pod: job_pod,
+                pod: job_pod.clone(),
                 ctx: ctx(vec![idle("2026-03-01T10:00:00Z")]),
                 policy: policy(),
+                want: Decision::Act(ActionKind::Suspend {
+                    job: "train".into(),
+                }),
+            },
+            Case {
+                name: "deadline passed, Job pod with running siblings: evict it, not the Job",
+                pod: job_pod.clone(),
+                ctx: PodContext {
+                    job_siblings: 3,
+                    ..ctx(vec![idle("2026-03-01T10:00:00Z")])
+                },
+                policy: policy(),
+                want: Decision::Act(ActionKind::Evict),
+            },
+            Case {
+                name: "deadline passed, Job pod with siblings, action Suspend: as asked",
+                pod: job_pod.clone(),
+                ctx: PodContext {
+                    job_siblings: 3,
+                    ..ctx(vec![idle("2026-03-01T10:00:00Z")])
+                },
+                policy: ReclaimPolicy {
+                    action: ReclaimAction::Suspend,
+                    ..policy()
+                },
                 want: Decision::Act(ActionKind::Suspend {
                     job: "train".into(),
                 }),

@@ -39,6 +39,24 @@ fn rfc3339(t: Timestamp) -> String {
         .to_string()
 }
 
+/// Other unfinished pods (the store holds no Succeeded or Failed ones) of `pod`'s Job.
+fn job_siblings(pod: &Pod, all: &[Arc<Pod>]) -> usize {
+    let job_uid = |p: &Pod| {
+        p.owner_references()
+            .iter()
+            .find(|o| o.kind == "Job" && o.api_version.starts_with("batch/"))
+            .map(|o| o.uid.clone())
+    };
+    let Some(uid) = job_uid(pod) else {
+        return 0;
+    };
+    all.iter()
+        .filter(|p| p.namespace() == pod.namespace() && p.name_any() != pod.name_any())
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| job_uid(p).as_ref() == Some(&uid))
+        .count()
+}
+
 fn pod_key(pod: &Pod) -> String {
     format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any())
 }
@@ -89,6 +107,7 @@ pub async fn run(
                 data_fresh: fresh,
                 namespace_labels: ns_meta.as_ref().map(|m| m.labels()),
                 demand_pending: demand,
+                job_siblings: job_siblings(&pod, &all_pods),
             };
             let decision = reclaim_decision(&pod, &pctx, policy, now);
             debug!(pod = %pod_key(&pod), ?decision, "reclaim decision");
