@@ -340,19 +340,40 @@ pub fn rate_allows(status: &ReclaimStatus, policy: &ReclaimPolicy, now: Timestam
     let recent = status
         .history
         .iter()
-        .filter(|r| r.result != "BlockedByPDB" && now.duration_since(r.time.0) < window)
+        .filter(|r| counted(r) && now.duration_since(r.time.0) < window)
         .count();
     (recent as u32) < policy.rate_limit.max_actions
 }
 
 /// Adds an action to the history (newest first, bounded) and the counters.
+///
+/// Entries the rate limit does not count (`BlockedByPDB`) never push counted ones out: a pod
+/// keeps only its latest blocked entry, and the oldest uncounted entries go first when the
+/// history is full, so a PDB blocking many pods cannot make the limit forget its actions.
 pub fn record(status: &mut ReclaimStatus, entry: ReclaimRecord) {
     if entry.result == "Succeeded" {
         status.reclaimed += 1;
         status.last_reclaim_time = Some(entry.time.clone());
     }
+    if !counted(&entry) {
+        status
+            .history
+            .retain(|e| counted(e) || e.pod != entry.pod || e.action != entry.action);
+    }
     status.history.insert(0, entry);
-    status.history.truncate(MAX_HISTORY);
+    while status.history.len() > MAX_HISTORY {
+        match status.history.iter().rposition(|e| !counted(e)) {
+            Some(oldest_uncounted) => {
+                status.history.remove(oldest_uncounted);
+            }
+            None => status.history.truncate(MAX_HISTORY),
+        }
+    }
+}
+
+/// Whether the rate limit counts a history entry.
+fn counted(entry: &ReclaimRecord) -> bool {
+    entry.result != "BlockedByPDB"
 }
 
 /// A history entry.
@@ -879,6 +900,60 @@ mod tests {
             record(&mut st, entry(&pd, None, "Evict", "Failed", now));
         }
         assert_eq!(st.history.len(), MAX_HISTORY);
+    }
+
+    #[test]
+    fn blocked_attempts_never_push_counted_actions_out_of_the_history() {
+        let now = ts("2026-03-01T12:00:00Z");
+        let p = ReclaimPolicy {
+            rate_limit: gpupool_crds::policy::RateLimit {
+                max_actions: 5,
+                interval: std::time::Duration::from_secs(600).into(),
+            },
+            ..policy()
+        };
+        let mut st = ReclaimStatus::default();
+        let pod = |name: &str| {
+            let mut p = Pod::default();
+            p.metadata.namespace = Some("ml".into());
+            p.metadata.name = Some(name.into());
+            p
+        };
+        for i in 0..5 {
+            record(
+                &mut st,
+                entry(&pod(&format!("done-{i}")), None, "Evict", "Succeeded", now),
+            );
+        }
+        assert!(!rate_allows(&st, &p, now), "five actions in the window");
+        // A PDB then blocks thirty pods, each retried: the five actions stay counted.
+        for round in 0..2 {
+            for i in 0..30 {
+                let at = now.checked_add(SignedDuration::from_secs(round)).unwrap();
+                record(
+                    &mut st,
+                    entry(
+                        &pod(&format!("held-{i}")),
+                        None,
+                        "Evict",
+                        "BlockedByPDB",
+                        at,
+                    ),
+                );
+            }
+        }
+        assert_eq!(st.history.len(), MAX_HISTORY);
+        assert_eq!(
+            st.history
+                .iter()
+                .filter(|e| e.result == "Succeeded")
+                .count(),
+            5
+        );
+        assert!(!rate_allows(&st, &p, now), "the limit still holds");
+        // One entry per blocked pod: the retry replaced the first attempt.
+        let held_29 = st.history.iter().filter(|e| e.pod == "ml/held-29").count();
+        assert_eq!(held_29, 1);
     }
 
     #[test]
