@@ -131,6 +131,51 @@ impl Context {
     }
 }
 
+/// Delete options that act on `pod` only while it is the same object: a pod of the same name
+/// created since it was judged is left alone (the API answers 409).
+pub fn uid_precondition(pod: &Pod) -> kube::api::DeleteParams {
+    kube::api::DeleteParams {
+        preconditions: kube::ResourceExt::uid(pod).map(|uid| kube::api::Preconditions {
+            uid: Some(uid),
+            resource_version: None,
+        }),
+        ..Default::default()
+    }
+}
+
+/// Evicts `pod` through the Eviction API, only while it is the same object (UID
+/// precondition; 409 otherwise), as a dry run when `dry_run`. The Eviction is built here:
+/// kube 5's `Api::evict` sends its delete options under `delete_options`, a key the API server
+/// ignores, so a precondition given to it would never be checked.
+pub async fn evict(api: &kube::Api<Pod>, pod: &Pod, dry_run: bool) -> Result<(), kube::Error> {
+    use k8s_openapi::api::policy::v1::Eviction;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
+        DeleteOptions, ObjectMeta, Preconditions,
+    };
+    let name = kube::ResourceExt::name_any(pod);
+    let eviction = Eviction {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            namespace: kube::ResourceExt::namespace(pod),
+            ..Default::default()
+        },
+        delete_options: Some(DeleteOptions {
+            preconditions: kube::ResourceExt::uid(pod).map(|uid| Preconditions {
+                uid: Some(uid),
+                resource_version: None,
+            }),
+            ..Default::default()
+        }),
+    };
+    let pp = kube::api::PostParams {
+        dry_run,
+        field_manager: None,
+    };
+    api.create_subresource::<_, serde_json::Value>("eviction", &name, &pp, &eviction)
+        .await
+        .map(|_| ())
+}
+
 /// `min × 2^(n-1)`, capped at `max`.
 pub fn capped_backoff(failures: u32, min: Duration, max: Duration) -> Duration {
     let factor = 2u32.saturating_pow(failures.saturating_sub(1).min(20));

@@ -5,7 +5,7 @@ use gpupool_crds::node::MigState;
 use gpupool_crds::{GpuNode, GpuPool};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, EvictParams};
+use kube::api::Api;
 use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
 use tracing::{info, warn};
@@ -60,7 +60,7 @@ pub async fn run(
             let ns = pod.namespace().unwrap_or_default();
             let name = pod.name_any();
             let api: Api<Pod> = Api::namespaced(ctx.evict_client.clone(), &ns);
-            let (type_, reason, note) = match api.evict(&name, &EvictParams::default()).await {
+            let (type_, reason, note) = match crate::context::evict(&api, pod, false).await {
                 Ok(_) => {
                     ctx.metrics.write("Pod", "evict");
                     info!(pod = %format!("{ns}/{name}"), node = %node, "evicted for MIG reconfiguration");
@@ -81,7 +81,8 @@ pub async fn run(
                         pool.name_any()
                     ),
                 ),
-                Err(e) if api_code(&e) == Some(404) => continue,
+                // Gone, or replaced by a pod of the same name (UID precondition).
+                Err(e) if matches!(api_code(&e), Some(404 | 409)) => continue,
                 Err(e) => {
                     warn!(pod = %format!("{ns}/{name}"), error = %e, "eviction for MIG drain failed");
                     failures.note(

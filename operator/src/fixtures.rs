@@ -426,6 +426,7 @@ fn idle_job_fixture(client: Client) -> (Fixture, GpuPool) {
     };
     pod.metadata.name = Some("w".into());
     pod.metadata.namespace = Some("ml".into());
+    pod.metadata.uid = Some("pod-w-uid".into());
     pod.metadata.annotations = Some(
         [
             (IDLE_SINCE_ANNOTATION, "2020-01-01T00:00:00Z"),
@@ -456,6 +457,51 @@ fn job_train() -> Value {
         "metadata": { "name": "train", "namespace": "ml" },
         "spec": { "suspend": false, "template": { "spec": { "containers": [] } } },
     })
+}
+
+/// An idle pod evicted at its deadline is evicted as the object that was judged: the
+/// eviction carries its UID, so a pod of the same name created since is left alone.
+#[tokio::test]
+async fn an_eviction_names_the_pods_uid() {
+    use gpupool_crds::policy::ReclaimAction;
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let (mut f, mut p) = idle_job_fixture(Client::new(service, "default"));
+    p.spec.reclaim.action = ReclaimAction::Evict;
+    f.pool(&p);
+    let answer = serde_json::to_value(&p).unwrap();
+    let success = serde_json::json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"});
+    let expected = vec![
+        Expect {
+            answer: Some(success),
+            ..expect(Method::POST, "/namespaces/ml/pods/w/eviction", |body| {
+                assert_eq!(
+                    body["deleteOptions"]["preconditions"]["uid"], "pod-w-uid",
+                    "{body}"
+                );
+            })
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "Reclaimed");
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReclaimAction")
+        }),
+        Expect {
+            answer: Some(answer),
+            ..expect(Method::PATCH, "/gpupools/p/status", |body| {
+                let r = &body["status"]["reclaim"];
+                assert_eq!(r["history"][0]["action"], "Evict");
+                assert_eq!(r["history"][0]["result"], "Succeeded");
+            })
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReadyTrue")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ConflictFalse")
+        }),
+    ];
+    run(f, &p, expected, handle).await;
 }
 
 #[tokio::test]

@@ -11,7 +11,7 @@ use gpupool_crds::{GpuNode, GpuPool};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, EvictParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
@@ -378,14 +378,8 @@ async fn act(
             }
         }
         ActionKind::Evict => {
-            let ep = EvictParams {
-                delete_options: None,
-                post_options: PostParams {
-                    dry_run: dry,
-                    field_manager: None,
-                },
-            };
-            match evictions.evict(&pod.name_any(), &ep).await {
+            // This pod, not another one that took its name since it was judged idle.
+            match crate::context::evict(&evictions, pod, dry).await {
                 Ok(_) => {
                     if !dry {
                         ctx.metrics.write("Pod", "evict");
@@ -405,7 +399,8 @@ async fn act(
                         "the eviction was refused with 500, usually because more than one PodDisruptionBudget selects the pod (misconfigured): {e}"
                     ),
                 },
-                Err(e) if api_code(&e) == Some(404) => return Ok(true),
+                // Gone, or replaced by a pod of the same name (the UID precondition failed).
+                Err(e) if matches!(api_code(&e), Some(404 | 409)) => return Ok(true),
                 Err(e) => {
                     failures.note("create", "pods/eviction", format!("evicting pod {key}"), &e);
                     Outcome {
@@ -418,7 +413,7 @@ async fn act(
         ActionKind::Delete => {
             let dp = DeleteParams {
                 dry_run: dry,
-                ..Default::default()
+                ..crate::context::uid_precondition(pod)
             };
             match pods.delete(&pod.name_any(), &dp).await {
                 Ok(_) => {
@@ -430,7 +425,7 @@ async fn act(
                         message: "deleted".into(),
                     }
                 }
-                Err(e) if api_code(&e) == Some(404) => return Ok(true),
+                Err(e) if matches!(api_code(&e), Some(404 | 409)) => return Ok(true),
                 Err(e) => {
                     failures.note("delete", "pods", format!("deleting pod {key}"), &e);
                     Outcome {
