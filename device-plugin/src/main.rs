@@ -98,6 +98,10 @@ struct Cli {
         hide = true
     )]
     mig_step_delay_ms: u64,
+    /// Seconds without progress of the agent's loop (a driver call that never returns) after
+    /// which `/healthz` fails and the kubelet restarts the agent; at least 60.
+    #[arg(long, env = "GPUPOOL_LIVENESS_STALL_SECS", default_value_t = 180)]
+    liveness_stall_secs: u64,
     /// Log as JSON lines.
     #[arg(long, env = "GPUPOOL_LOG_JSON")]
     log_json: bool,
@@ -228,6 +232,9 @@ async fn main() -> Result<()> {
         .context("connecting to the Kubernetes API (KUBECONFIG or in-cluster config)")?;
     let config = agent_config(&cli);
     let metrics = Arc::new(AgentMetrics::default());
+    metrics
+        .heartbeat
+        .set_stall_after(Duration::from_secs(cli.liveness_stall_secs));
     let cancel = CancellationToken::new();
     tokio::spawn(shutdown_signal(cancel.clone()));
     let http = tokio::spawn(metrics_http::serve(

@@ -69,6 +69,76 @@ pub struct AgentMetrics {
     pub ready: AtomicBool,
     /// Plugin counters.
     pub plugin: Arc<PluginMetrics>,
+    /// The agent loop's progress, which `/healthz` follows.
+    pub heartbeat: Heartbeat,
+}
+
+/// The agent loop beats after every pass, and at least every [`Heartbeat::INTERVAL`] when
+/// nothing happens. A pass that never ends (an NVML call hung on a sick GPU or driver blocks
+/// the loop) stops the beats, and `/healthz` then answers 503 so the kubelet restarts the
+/// agent: the watchdog is the liveness probe.
+#[derive(Debug)]
+pub struct Heartbeat {
+    origin: std::time::Instant,
+    /// Milliseconds since `origin` at the last beat, plus one; 0 before the first.
+    last: std::sync::atomic::AtomicU64,
+    /// Milliseconds without a beat after which the agent counts as stuck.
+    stall_after: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Heartbeat {
+    fn default() -> Self {
+        Heartbeat {
+            origin: std::time::Instant::now(),
+            last: 0.into(),
+            stall_after: (Heartbeat::DEFAULT_STALL_AFTER.as_millis() as u64).into(),
+        }
+    }
+}
+
+impl Heartbeat {
+    /// The longest the loop sleeps between beats.
+    pub const INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
+    /// The default silence after which the agent counts as stuck.
+    pub const DEFAULT_STALL_AFTER: std::time::Duration = std::time::Duration::from_secs(180);
+
+    /// The loop made progress now.
+    pub fn beat(&self) {
+        let now = self.origin.elapsed().as_millis() as u64;
+        self.last.store(now.saturating_add(1), Ordering::Relaxed);
+    }
+
+    /// Sets how long a silence counts as stuck (at least two beat intervals).
+    pub fn set_stall_after(&self, d: std::time::Duration) {
+        let d = d.max(Heartbeat::INTERVAL * 2);
+        self.stall_after
+            .store(d.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// `/healthz`: an error once the loop has been silent for longer than allowed. Before the
+    /// first beat the agent is starting, and alive.
+    pub fn check(&self) -> Result<(), String> {
+        self.check_at(self.origin.elapsed())
+    }
+
+    fn check_at(&self, now: std::time::Duration) -> Result<(), String> {
+        let last = self.last.load(Ordering::Relaxed);
+        if last == 0 {
+            return Ok(());
+        }
+        let silent = (now.as_millis() as u64).saturating_sub(last - 1);
+        let limit = self.stall_after.load(Ordering::Relaxed);
+        if silent > limit {
+            Err(format!(
+                "the agent loop has made no progress for {}s (limit {}s): a call into the \
+                 driver may be hung; restarting the agent",
+                silent / 1000,
+                limit / 1000
+            ))
+        } else {
+            Ok(())
+        }
+    }
 }
 
 impl AgentMetrics {
@@ -92,7 +162,10 @@ impl AgentMetrics {
     /// [`AgentMetrics::ready`].
     pub fn http_state(self: &Arc<Self>) -> HttpState {
         let metrics = self.clone();
-        HttpState::new(self.registry()).ready_when(move || metrics.ready.load(Ordering::Relaxed))
+        let live = self.clone();
+        HttpState::new(self.registry())
+            .ready_when(move || metrics.ready.load(Ordering::Relaxed))
+            .live_when(move || live.heartbeat.check())
     }
 }
 
@@ -259,6 +332,30 @@ mod tests {
             cancel.clone(),
         ));
         (addr, cancel)
+    }
+
+    #[test]
+    fn a_silent_loop_fails_liveness() {
+        use std::time::Duration;
+        let h = Heartbeat::default();
+        h.set_stall_after(Duration::from_secs(120));
+        // Starting: no beat yet.
+        assert_eq!(h.check_at(Duration::from_secs(10_000)), Ok(()));
+        h.beat();
+        let at = h.origin.elapsed();
+        assert_eq!(h.check_at(at + Duration::from_secs(120)), Ok(()));
+        let err = h.check_at(at + Duration::from_secs(181)).unwrap_err();
+        assert!(
+            err.contains("no progress for 181s") && err.contains("limit 120s"),
+            "{err}"
+        );
+        // A beat brings it back.
+        h.beat();
+        assert_eq!(h.check_at(h.origin.elapsed()), Ok(()));
+        // The limit is never under two beat intervals.
+        h.set_stall_after(Duration::from_secs(1));
+        let at = h.origin.elapsed();
+        assert_eq!(h.check_at(at + Duration::from_secs(59)), Ok(()));
     }
 
     #[tokio::test]

@@ -62,16 +62,37 @@ pub struct HttpState {
     /// check given to [`HttpState::ready_when`] passes).
     pub ready: AtomicBool,
     readiness: Option<Check>,
+    liveness: Option<LiveCheck>,
 }
 
+/// A liveness check: `Err` says why the process should be restarted.
+pub type LiveCheck = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
+
 impl HttpState {
-    /// A state with nothing ready yet and `/healthz` always answering 200.
+    /// A state with nothing ready yet and `/healthz` answering 200 (until a check given to
+    /// [`HttpState::live_when`] fails).
     pub fn new(registry: Registry) -> Self {
         Self {
             registry,
             ready: AtomicBool::new(false),
             readiness: None,
+            liveness: None,
         }
+    }
+
+    /// `/healthz` answers 503 with the check's message while `check` fails: for a binary
+    /// whose work can hang (a stuck driver call) in a way only a restart cures.
+    pub fn live_when(
+        mut self,
+        check: impl Fn() -> Result<(), String> + Send + Sync + 'static,
+    ) -> Self {
+        self.liveness = Some(Box::new(check));
+        self
+    }
+
+    /// `/healthz`'s verdict.
+    pub fn liveness(&self) -> Result<(), String> {
+        self.liveness.as_ref().map_or(Ok(()), |check| check())
     }
 
     /// Also counts as ready whenever `check` passes: for a binary that keeps its readiness
@@ -124,7 +145,10 @@ fn respond(state: &HttpState, method: &Method, path: &str) -> Response<Full<Byte
                 text(StatusCode::INTERNAL_SERVER_ERROR, "encoding metrics failed")
             }
         },
-        "/healthz" => text(StatusCode::OK, "ok"),
+        "/healthz" => match state.liveness() {
+            Ok(()) => text(StatusCode::OK, "ok"),
+            Err(why) => text(StatusCode::SERVICE_UNAVAILABLE, &why),
+        },
         "/readyz" if state.is_ready() => text(StatusCode::OK, "ok"),
         "/readyz" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready"),
         _ => text(StatusCode::NOT_FOUND, "not found"),
@@ -271,6 +295,32 @@ mod tests {
         flag.store(1, Ordering::Relaxed);
         assert_eq!(status("/readyz"), StatusCode::OK);
         assert_eq!(status("/healthz"), StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn a_hook_decides_liveness_and_says_why() {
+        let flag = Arc::new(AtomicU64::new(0));
+        let r = flag.clone();
+        let state = HttpState::new(Registry::default()).live_when(move || {
+            if r.load(Ordering::Relaxed) == 0 {
+                Ok(())
+            } else {
+                Err("stuck for 200s".into())
+            }
+        });
+        assert_eq!(
+            respond(&state, &Method::GET, "/healthz").status(),
+            StatusCode::OK
+        );
+        flag.store(1, Ordering::Relaxed);
+        let resp = respond(&state, &Method::GET, "/healthz");
+        assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body(resp).await, "stuck for 200s\n");
+        // Liveness is not readiness.
+        assert_eq!(
+            respond(&state, &Method::GET, "/readyz").status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
     }
 
     #[tokio::test]

@@ -209,10 +209,14 @@ impl Agent {
         let mut plugins_started = false;
         let mut node_gone = false;
         let mut wake: Option<Instant> = None;
+        let beat_every = crate::metrics_http::Heartbeat::INTERVAL;
         loop {
+            // Every pass beats; so does a quiet spell, at least every `beat_every`. A pass
+            // stuck in a driver call stops the beats, and `/healthz` fails (see Heartbeat).
+            self.metrics.heartbeat.beat();
             let sleep = match wake {
-                Some(at) => tokio::time::sleep_until(at),
-                None => tokio::time::sleep(Duration::from_secs(3600)),
+                Some(at) => tokio::time::sleep_until(at.min(Instant::now() + beat_every)),
+                None => tokio::time::sleep(beat_every),
             };
             tokio::select! {
                 biased;
