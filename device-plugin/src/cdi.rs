@@ -1236,6 +1236,8 @@ pub struct Written {
     pub digest: String,
     /// Whether the file was (re)written; false when it already had this content.
     pub changed: bool,
+    /// Whether a file was there before this write (with this content or another).
+    pub existed: bool,
 }
 
 /// Checks a spec directory from configuration: absolute, no `..`.
@@ -1262,13 +1264,16 @@ pub fn write_spec(dir: &Path, content: &str) -> Result<Written, CdiError> {
     check_spec_dir(dir)?;
     let path = dir.join(SPEC_FILE_NAME);
     let digest = digest(content.as_bytes());
-    if fs::read(&path).is_ok_and(|old| old == content.as_bytes()) {
+    let old = fs::read(&path);
+    if old.as_ref().is_ok_and(|old| old == content.as_bytes()) {
         return Ok(Written {
             path,
             digest,
             changed: false,
+            existed: true,
         });
     }
+    let existed = old.is_ok();
     fs::create_dir_all(dir).map_err(io("creating", dir))?;
     let tmp = dir.join(format!(".{SPEC_FILE_NAME}.{}.tmp", std::process::id()));
     let result = (|| {
@@ -1292,6 +1297,7 @@ pub fn write_spec(dir: &Path, content: &str) -> Result<Written, CdiError> {
         path,
         digest,
         changed: true,
+        existed,
     })
 }
 

@@ -270,6 +270,32 @@ pub fn inspect(written: &WrittenSpec) -> Option<SpecProblem> {
     assess(written, ours.as_deref(), &others)
 }
 
+/// The problem a write reveals when it had to put back the very content last written: the
+/// file was deleted (nothing was there) or changed by something else, even if that happened
+/// after this pass's check. `None` when the write was a real change, or no write.
+pub fn rewrite_problem(last: Option<&WrittenSpec>, write: &cdi::Written) -> Option<SpecProblem> {
+    let last = last?;
+    let rewritten = write.changed && write.path == last.path && write.digest == last.digest;
+    rewritten.then(|| changed_under_us(last, write.existed))
+}
+
+fn changed_under_us(last: &WrittenSpec, existed: bool) -> SpecProblem {
+    if existed {
+        SpecProblem {
+            kind: ProblemKind::Modified,
+            message: format!(
+                "{} was changed by something other than the agent; the agent rewrote it",
+                last.path.display()
+            ),
+        }
+    } else {
+        assess(last, None, &[]).unwrap_or(SpecProblem {
+            kind: ProblemKind::Missing,
+            message: format!("{} was deleted; the agent rewrote it", last.path.display()),
+        })
+    }
+}
+
 /// The state of the spec as the `CdiSpecReady` condition tells it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SpecState {
@@ -339,6 +365,13 @@ impl CdiJob {
         });
         match result {
             Ok((outcome, kind)) => {
+                // Rewriting the very content last written means something else deleted or
+                // edited the file, even when that happened after this pass's check.
+                let before = before.or_else(|| {
+                    let p = rewrite_problem(self.written.as_ref(), &outcome.written)?;
+                    tracing::warn!(reason = p.kind.reason(), message = %p.message, "CDI spec problem");
+                    Some(p)
+                });
                 if outcome.written.changed {
                     self.writes += 1;
                     tracing::info!(path = %outcome.written.path.display(), digest = %outcome.written.digest, devices = outcome.device_names.len(), "CDI spec written");
@@ -401,6 +434,38 @@ impl CdiJob {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rewrite_of_the_same_content_is_a_deletion_or_an_edit() {
+        let last = WrittenSpec {
+            path: PathBuf::from("/var/run/cdi/gpupool-nvidia.yaml"),
+            digest: "sha256:aa".into(),
+            kind: "gpupool.io/gpu".into(),
+            devices: vec!["0".into()],
+        };
+        let write = |changed, existed, digest: &str| cdi::Written {
+            path: last.path.clone(),
+            digest: digest.into(),
+            changed,
+            existed,
+        };
+        let kind = |w: cdi::Written| rewrite_problem(Some(&last), &w).map(|p| p.kind);
+        assert_eq!(
+            kind(write(true, false, "sha256:aa")),
+            Some(ProblemKind::Missing)
+        );
+        assert_eq!(
+            kind(write(true, true, "sha256:aa")),
+            Some(ProblemKind::Modified)
+        );
+        // A new spec (the hardware or the policy changed) is no problem; nor is no write.
+        assert_eq!(kind(write(true, true, "sha256:bb")), None);
+        assert_eq!(kind(write(false, true, "sha256:aa")), None);
+        assert_eq!(
+            rewrite_problem(None, &write(true, false, "sha256:aa")),
+            None
+        );
+    }
 
     const KIND: &str = "gpupool.io/gpu";
     const OURS: &str =
