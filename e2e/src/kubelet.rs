@@ -189,6 +189,13 @@ impl RealKubelet {
         Ok(parse_cri_log(&text))
     }
 
+    /// The kubelet's root directory: its device-plugin directory is `<root>/device-plugins`.
+    pub fn kubelet_dir(&self) -> Result<&Path> {
+        self.device_plugin_dir
+            .parent()
+            .context("device-plugin dir has no parent")
+    }
+
     /// The kubelet's registration socket.
     pub fn kubelet_socket(&self) -> PathBuf {
         self.device_plugin_dir.join("kubelet.sock")
@@ -276,19 +283,16 @@ impl Agent {
         setup: &AgentSetup,
     ) -> Result<Agent> {
         let (agent, nvml) = agent_binaries(dir)?;
-        let fixture = dir.join("fixture.yaml");
-        fs::write(&fixture, &setup.fixture)?;
+        let files = AgentFiles::prepare(dir, setup)?;
+        let AgentFiles {
+            fixture,
+            kmsg,
+            log,
+            state,
+        } = &files;
         let driver_root = &setup.driver_root;
-        let kmsg = dir.join("kmsg");
-        fs::write(&kmsg, "")?;
-        let log = dir.join("agent.log");
-        let state = dir.join("nvml-state.json");
-        let out = fs::File::create(&log)?;
-        // The kubelet's device-plugin directory is `<kubelet-dir>/device-plugins`.
-        let kubelet_dir = kubelet
-            .device_plugin_dir
-            .parent()
-            .context("device-plugin dir has no parent")?;
+        let out = fs::File::create(log)?;
+        let kubelet_dir = kubelet.kubelet_dir()?;
         let child = Command::new(agent)
             .arg("--node-name")
             .arg(&kubelet.node)
@@ -304,7 +308,7 @@ impl Agent {
             .arg(driver_root.join("proc"))
             // An empty kernel log: the host's own /dev/kmsg is not this fake GPU node's.
             .arg("--kmsg-path")
-            .arg(&kmsg)
+            .arg(kmsg)
             .args(["--backend", "nvml", "--nvml-lib"])
             .arg(&nvml)
             .args([
@@ -317,8 +321,8 @@ impl Agent {
                 "--health-recovery-hold-down-secs",
                 "20",
             ])
-            .env("GPUPOOL_FAKE_NVML_FIXTURE", &fixture)
-            .env("GPUPOOL_FAKE_NVML_STATE", &state)
+            .env("GPUPOOL_FAKE_NVML_FIXTURE", fixture)
+            .env("GPUPOOL_FAKE_NVML_STATE", state)
             .envs(
                 setup
                     .nvml_dev_dir
@@ -332,14 +336,7 @@ impl Agent {
             .stderr(out)
             .spawn()
             .context("starting the agent")?;
-        Ok(Agent {
-            child,
-            container: None,
-            log,
-            state,
-            cdi_spec: setup.cdi_dir.join("gpupool-nvidia.yaml"),
-            fixture,
-        })
+        Ok(files.into_agent(child, None, setup))
     }
 
     /// Starts the agent as a container on containerd, laid out as the chart runs it: a root
@@ -363,16 +360,14 @@ impl Agent {
         let (agent, nvml) = agent_binaries(dir)?;
         let rootfs = dir.join("agent-rootfs");
         image_root(&rootfs, &agent, &[&nvml])?;
-        let fixture = dir.join("fixture.yaml");
-        fs::write(&fixture, &setup.fixture)?;
-        let kmsg = dir.join("kmsg");
-        fs::write(&kmsg, "")?;
-        let log = dir.join("agent.log");
-        let state = dir.join("nvml-state.json");
-        let kubelet_dir = kubelet
-            .device_plugin_dir
-            .parent()
-            .context("device-plugin dir has no parent")?;
+        let files = AgentFiles::prepare(dir, setup)?;
+        let AgentFiles {
+            fixture,
+            kmsg,
+            log,
+            state,
+        } = &files;
+        let kubelet_dir = kubelet.kubelet_dir()?;
         let pod_resources_dir = kubelet
             .pod_resources
             .parent()
@@ -441,31 +436,25 @@ impl Agent {
                 "--proc-root={}",
                 at_host(&driver_root.join("proc")).display()
             ))
-            .arg(format!("--kmsg-path={}", at_host(&kmsg).display()))
+            .arg(format!("--kmsg-path={}", at_host(kmsg).display()))
             .args([
                 "--backend=nvml",
                 "--metrics-addr=127.0.0.1:0",
                 "--validate-interval-secs=2",
             ]);
-        let out = fs::File::create(&log)?;
+        let out = fs::File::create(log)?;
         let child = cmd
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out)
             .spawn()
             .context("starting the agent's container with ctr")?;
-        Ok(Agent {
-            child,
-            container: Some(AgentContainer {
-                ctr,
-                address: kubelet.cri_socket.clone(),
-                id,
-            }),
-            log,
-            state,
-            cdi_spec: setup.cdi_dir.join("gpupool-nvidia.yaml"),
-            fixture,
-        })
+        let container = AgentContainer {
+            ctr,
+            address: kubelet.cri_socket.clone(),
+            id,
+        };
+        Ok(files.into_agent(child, Some(container), setup))
     }
 
     /// The agent's log so far.
@@ -530,6 +519,46 @@ pub struct AgentSetup {
     /// Where the agent's fake NVML looks for `/dev/nvidia<minor>` (`GPUPOOL_FAKE_NVML_DEV_DIR`):
     /// the driver root's `dev` when its nodes are real, since the host's `/dev` has none.
     pub nvml_dev_dir: Option<PathBuf>,
+}
+
+/// The agent's files in its directory: the fake NVML's fixture and state, an empty kernel log
+/// (the host's is not this fake node's), and the agent's log.
+struct AgentFiles {
+    fixture: PathBuf,
+    kmsg: PathBuf,
+    log: PathBuf,
+    state: PathBuf,
+}
+
+impl AgentFiles {
+    /// Writes the fixture and the empty kernel log under `dir`.
+    fn prepare(dir: &Path, setup: &AgentSetup) -> Result<AgentFiles> {
+        let files = AgentFiles {
+            fixture: dir.join("fixture.yaml"),
+            kmsg: dir.join("kmsg"),
+            log: dir.join("agent.log"),
+            state: dir.join("nvml-state.json"),
+        };
+        fs::write(&files.fixture, &setup.fixture)?;
+        fs::write(&files.kmsg, "")?;
+        Ok(files)
+    }
+
+    fn into_agent(
+        self,
+        child: Child,
+        container: Option<AgentContainer>,
+        setup: &AgentSetup,
+    ) -> Agent {
+        Agent {
+            child,
+            container,
+            log: self.log,
+            state: self.state,
+            cdi_spec: setup.cdi_dir.join("gpupool-nvidia.yaml"),
+            fixture: self.fixture,
+        }
+    }
 }
 
 /// The agent's container: `ctr`, containerd's socket and the container's id.

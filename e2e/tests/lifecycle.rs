@@ -59,7 +59,7 @@ fn marked(node: &Node) -> Vec<String> {
     found
 }
 
-async fn pool_spec(scope: &TestScope) -> serde_json::Value {
+fn pool_spec(scope: &TestScope) -> serde_json::Value {
     let (k, v) = scope.label();
     json!({
         "nodeSelector": { "matchLabels": { k: v, ROLE: "gpu" } },
@@ -95,7 +95,7 @@ async fn uninstall_leaves_no_finalizer_label_or_taint_with_or_without_the_operat
     // 1. With the operator running: the pools go through its cleanup.
     let mut op = Operator::start(cluster, &scope, "only", &scope.name("lease"))?;
     let pool = scope.name("train");
-    apply_pool(&client, &scope, &pool, pool_spec(&scope).await).await?;
+    apply_pool(&client, &scope, &pool, pool_spec(&scope)).await?;
     for node in [&n1, &n2] {
         wait_gpunode(&client, node, |_| true)
             .await
@@ -166,7 +166,7 @@ async fn uninstall_leaves_no_finalizer_label_or_taint_with_or_without_the_operat
 
     // 2. Without the operator (crashed, or removed first): uninstall does the cleanup.
     let pool = scope.name("orphan");
-    apply_pool(&client, &scope, &pool, pool_spec(&scope).await).await?;
+    apply_pool(&client, &scope, &pool, pool_spec(&scope)).await?;
     for node in [&n1, &n2] {
         wait_gpunode(&client, node, |_| true)
             .await

@@ -48,7 +48,7 @@ use gpupool_e2e::kubelet::{
 };
 use gpupool_e2e::node::{FAKE_DIR, GpuNodeHost, PROBE_CUDA_ENV_IMAGE, PROBE_IMAGE, probe_pod};
 use gpupool_e2e::wait::poll;
-use gpupool_e2e::{Cluster, TestScope, Tools, crds, repo_root};
+use gpupool_e2e::{Cluster, TestScope, crds, repo_root};
 use k8s_openapi::api::core::v1::Pod;
 use kube::{Api, Client};
 use serde_json::json;
@@ -219,7 +219,7 @@ async fn helm_test(
     fake_dir: &Path,
     uuid: &str,
 ) -> Result<()> {
-    let tools = Tools::ensure()?;
+    let tools = cluster.tools();
     let release = scope.name("rel");
     let chart = repo_root().join("charts/gpupool");
     let kubeconfig = cluster.kubeconfig().display().to_string();
@@ -241,7 +241,6 @@ async fn helm_test(
         );
         Ok(text)
     };
-    let json = |v: serde_json::Value| v.to_string();
     let sets = [
         ("tests.image.repository", json!("gpupool.local/e2e/probe")),
         ("tests.image.tag", json!("1")),
@@ -271,16 +270,12 @@ async fn helm_test(
         ),
         ("crds.install", json!(false)),
     ];
+    let sets: Vec<String> = sets.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let chart_arg = chart.display().to_string();
-    let mut args: Vec<String> = ["install", &release, &chart_arg]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .collect();
-    for (k, v) in &sets {
-        args.push("--set-json".into());
-        args.push(format!("{k}={}", json(v.clone())));
+    let mut args = vec!["install", &release, &chart_arg];
+    for set in &sets {
+        args.extend(["--set-json", set]);
     }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     helm(&args)?;
     // `--logs` would fetch them through the kubelet's server, by a node name this test bed
     // cannot resolve; the container's log is read from the runtime instead.

@@ -183,14 +183,16 @@ fn valid_pools(ctx: &Context) -> Vec<Arc<GpuPool>> {
         .collect()
 }
 
-fn owned_by(gn: &GpuNode, pool: &GpuPool) -> bool {
+/// Whether `pool` owns `gn` (by the pool's UID).
+pub(crate) fn owned_by(gn: &GpuNode, pool: &GpuPool) -> bool {
     let uid = pool.uid();
     gn.owner_references()
         .iter()
         .any(|o| Some(&o.uid) == uid.as_ref())
 }
 
-fn has_taint(node: &Node) -> bool {
+/// Whether `node` carries the driver taint.
+pub(crate) fn has_taint(node: &Node) -> bool {
     node.spec
         .as_ref()
         .and_then(|s| s.taints.as_ref())

@@ -21,6 +21,7 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use tracing::{info, warn};
 
+use crate::controller::{has_taint, owned_by};
 use crate::error::{Error, api_code};
 
 /// Prefix of every label gpupool puts on Nodes (the operator's and the agents').
@@ -154,19 +155,13 @@ async fn release_pool(
 ) -> Result<(), Error> {
     let name = pool.name_any();
     warn!(pool = %name, "the operator did not clean the pool up; doing it here");
-    let uid = pool.uid();
     let gpunodes: Api<GpuNode> = Api::all(client.clone());
     let owned = gpunodes
         .list(&ListParams::default())
         .await
         .map_err(Error::kube("list", "gpunodes", "listing GpuNodes"))?;
     for gn in owned.items {
-        let mine = gn
-            .owner_references()
-            .iter()
-            .any(|o| o.kind == "GpuPool" && Some(&o.uid) == uid.as_ref())
-            || gn.spec.pool == name;
-        if !mine {
+        if !(owned_by(&gn, pool) || gn.spec.pool == name) {
             continue;
         }
         let gn_name = gn.name_any();
@@ -254,12 +249,7 @@ async fn marked_nodes(nodes: &Api<Node>) -> Result<Vec<Node>, Error> {
 
 /// Whether `node` carries anything of gpupool's.
 pub fn is_marked(node: &Node) -> bool {
-    node.labels().keys().any(|k| k.starts_with(LABEL_PREFIX))
-        || node
-            .spec
-            .as_ref()
-            .and_then(|s| s.taints.as_ref())
-            .is_some_and(|t| t.iter().any(|t| t.key == DRIVER_INVALID_TAINT))
+    node.labels().keys().any(|k| k.starts_with(LABEL_PREFIX)) || has_taint(node)
 }
 
 /// The merge patch that takes gpupool's labels and taint off `node` (`None`: nothing to do).
@@ -275,7 +265,7 @@ pub fn cleaning_patch(node: &Node) -> Option<serde_json::Value> {
         .collect();
     let mut patch = json!({"metadata": {"labels": labels}});
     let taints = node.spec.as_ref().and_then(|s| s.taints.as_ref());
-    if let Some(taints) = taints.filter(|t| t.iter().any(|t| t.key == DRIVER_INVALID_TAINT)) {
+    if let Some(taints) = taints.filter(|_| has_taint(node)) {
         let kept: Vec<_> = taints
             .iter()
             .filter(|t| t.key != DRIVER_INVALID_TAINT)
