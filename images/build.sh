@@ -4,14 +4,19 @@
 #   images/out/gpupool-operator-<version>-amd64.oci.tar       ghcr.io/gpupool/gpupool-operator:<version>
 #   images/out/gpupool-device-plugin-<version>-amd64.oci.tar  ghcr.io/gpupool/gpupool-device-plugin:<version>
 #
+# Their paths are printed on stdout, one per line; progress goes to stderr.
 # <version> is the chart's appVersion (charts/gpupool/Chart.yaml), the tag the chart deploys.
 # Load one with `ctr -n k8s.io images import FILE` (the index names it through
 # io.containerd.image.name), `podman load -i FILE` or `skopeo copy oci-archive:FILE docker://…`.
 #
-# Usage: images/build.sh [--check] [--out DIR]
+# Usage: images/build.sh [--check] [--out DIR] [--binaries DIR]
 #        images/build.sh verify ARCHIVE...
-#   --check   after building, verify the archives (images/verify.py) and fail on any mismatch;
-#             then check that the verifier rejects tampered copies of the first one
+#   --check     after building, verify the archives (images/verify.py) and fail on any mismatch;
+#               then check that the verifier rejects tampered copies of the first one
+#   --binaries  take gpupool-operator and gpupool-device-plugin from DIR instead of building
+#               them (the e2e suite packs its debug builds this way: release builds are too
+#               slow for CI); their debug info is stripped so the layers stay small. Not for
+#               release: the images then hold whatever DIR held.
 #   verify    only verify existing archives (and run that self-test)
 #
 # Layers: a base (Debian bookworm's libc6, libgcc-s1, ca-certificates, tzdata, base-files,
@@ -196,15 +201,25 @@ EOF
 
 cmd_build() {
     [[ $(id -u) == 0 ]] || die "needs root: mmdebstrap's root mode keeps file owners"
-    for tool in mmdebstrap cargo jq gzip tar sha256sum; do
+    local tools=(mmdebstrap jq gzip tar sha256sum) tool bin_dir
+    if [[ -n $BINARIES ]]; then tools+=(strip); else tools+=(cargo); fi
+    for tool in "${tools[@]}"; do
         command -v "$tool" >/dev/null || die "$tool is not on PATH"
     done
-    local start=$SECONDS target
-    target=${CARGO_TARGET_DIR:-$ROOT/target}
-    say "cargo build --release (target $target)"
-    (cd "$ROOT" && cargo build --locked --release -p gpupool-operator --bin gpupool-operator \
-        -p gpupool-device-plugin --bin gpupool-device-plugin) ||
-        die "cargo build failed"
+    local start=$SECONDS
+    if [[ -n $BINARIES ]]; then
+        bin_dir=$BINARIES
+        say "binaries from $bin_dir (not built here)"
+    else
+        bin_dir=${CARGO_TARGET_DIR:-$ROOT/target}/release
+        say "cargo build --release (into $bin_dir)"
+        (cd "$ROOT" && cargo build --locked --release -p gpupool-operator --bin gpupool-operator \
+            -p gpupool-device-plugin --bin gpupool-device-plugin) ||
+            die "cargo build failed"
+    fi
+    for tool in gpupool-operator gpupool-device-plugin; do
+        [[ -x $bin_dir/$tool ]] || die "$bin_dir/$tool is missing or not executable"
+    done
     local built=$SECONDS
     mkdir -p "$OUT"
     local work
@@ -214,8 +229,12 @@ cmd_build() {
     mkdir -p "$work/layout/blobs/sha256" "$work/op/usr/local/bin" "$work/agent"
     say "base: mmdebstrap $SUITE ($BASE_PACKAGES) from $MIRROR"
     build_base "$work/base"
-    install -m 0755 "$target/release/gpupool-operator" "$work/op/usr/local/bin/gpupool-operator"
-    install -m 0755 "$target/release/gpupool-device-plugin" "$work/agent/gpupool-device-plugin"
+    install -m 0755 "$bin_dir/gpupool-operator" "$work/op/usr/local/bin/gpupool-operator"
+    install -m 0755 "$bin_dir/gpupool-device-plugin" "$work/agent/gpupool-device-plugin"
+    if [[ -n $BINARIES ]]; then
+        strip --strip-debug "$work/op/usr/local/bin/gpupool-operator" "$work/agent/gpupool-device-plugin" ||
+            die "stripping the binaries from $bin_dir failed"
+    fi
 
     local base op agent
     base=$(layer_of "$work/layout" "$work/base")
@@ -232,10 +251,11 @@ cmd_build() {
     rm -f "$work/layout-agent/blobs/sha256/${op_blob#sha256:}" "$work/layout/blobs/sha256/${agent_blob#sha256:}"
     archives+=("$(write_image gpupool-operator "$work/layout" "gpupool-operator" "$op_config" "$base" "$op")")
     archives+=("$(write_image gpupool-device-plugin "$work/layout-agent" "gpupool-device-plugin" "$agent_config" "$base" "$agent")")
-    say "built in $((SECONDS - start))s (cargo $((built - start))s, images $((SECONDS - built))s)"
+    say "built in $((SECONDS - start))s (binaries $((built - start))s, images $((SECONDS - built))s)"
     if [[ $CHECK == 1 ]]; then
         cmd_verify "${archives[@]}"
     fi
+    printf '%s\n' "${archives[@]}"
 }
 
 cmd_verify() {
@@ -246,6 +266,7 @@ cmd_verify() {
 }
 
 CHECK=0
+BINARIES=
 cmd=build
 args=()
 while (($#)); do
@@ -254,6 +275,11 @@ while (($#)); do
         --out)
             [[ $# -ge 2 ]] || die "--out needs a directory"
             OUT=$(realpath -m "$2")
+            shift
+            ;;
+        --binaries)
+            [[ $# -ge 2 ]] || die "--binaries needs a directory"
+            BINARIES=$(realpath -e "$2") || die "--binaries: no directory $2"
             shift
             ;;
         verify) cmd=verify ;;

@@ -752,6 +752,10 @@ pub async fn delete_pod_and_wait(client: &Client, scope: &TestScope, name: &str)
 }
 
 /// Whether this layer runs, and why not.
+///
+/// # Panics
+/// When the check itself fails (an exit status other than 0 or 3): a broken script must fail
+/// the tests, not skip them.
 pub fn skip_reason(runtime: Runtime) -> Option<String> {
     if std::env::var("GPUPOOL_E2E_KUBELET").as_deref() != Ok("1") {
         return Some("the real-kubelet layer is opt-in: set GPUPOOL_E2E_KUBELET=1".to_owned());
@@ -763,8 +767,18 @@ pub fn skip_reason(runtime: Runtime) -> Option<String> {
         .output()
     {
         Ok(out) if out.status.success() => None,
-        Ok(out) => Some(String::from_utf8_lossy(&out.stdout).trim().to_owned()),
-        Err(e) => Some(format!("e2e/kubelet check could not run: {e}")),
+        // 3: this machine cannot run a kubelet, and stdout says why.
+        Ok(out) if out.status.code() == Some(3) => {
+            Some(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        }
+        // Anything else is the script failing, which must not pass for a skip.
+        Ok(out) => panic!(
+            "e2e/kubelet check failed ({}), which is no reason to skip:\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) => panic!("e2e/kubelet check could not run: {e}"),
     }
 }
 

@@ -20,11 +20,13 @@ pub mod agent;
 pub mod artifacts;
 pub mod cluster;
 pub mod crds;
+pub mod images;
 pub mod kubectl;
 pub mod kubelet;
 pub mod manifest;
 pub mod node;
 pub mod scope;
+pub mod service_relay;
 pub mod tools;
 pub mod wait;
 

@@ -17,7 +17,7 @@ use gpupool_crds::policy::DriverPolicy;
 use gpupool_crds::{GpuNode, GpuNodeSpec};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, PostParams};
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::agent::wait_status;
 use crate::kubelet::{Agent, AgentSetup, RealKubelet};
@@ -180,6 +180,66 @@ impl GpuNodeHost {
         self.agent.stop();
         self.agent = Agent::start_in_container(&self.dir, kubelet, cluster, &self.setup)?;
         Ok(())
+    }
+
+    /// Chart values (`--set-json` pairs) that run the chart's agent DaemonSet on this node in
+    /// place of [`Self::agent`], on the same fake NVML state and driver root. Only what this
+    /// test bed lays out unlike a GPU node is set; security context, the host's `/` at `/host`,
+    /// hostPID, the device-plugin directory and `--host-root` stay the chart's:
+    /// * placement: this node only (the kwok nodes run no containers), with its taint tolerated;
+    /// * `hostPaths`: the driver root, containerd's CDI directory (no pool may name it, hence
+    ///   also `--cdi-dir`) and the kubelet's PodResources directory under its `--root-dir`;
+    /// * the fake NVML's files (fixture, state, kernel log, the driver root's `dev`), mounted
+    ///   read-write at their own paths, and `--proc-root` for its process table.
+    pub fn chart_agent_values(&self, kubelet: &RealKubelet) -> Result<Vec<(String, Value)>> {
+        let node = &kubelet.node;
+        let pod_resources = kubelet
+            .pod_resources
+            .parent()
+            .context("the PodResources socket has no directory")?;
+        let at_host = |p: &Path| format!("/host{}", p.display());
+        let cdi = kubelet.cdi_dir.display().to_string();
+        let mut env = vec![
+            json!({"name": "GPUPOOL_FAKE_NVML_FIXTURE", "value": self.agent.fixture}),
+            json!({"name": "GPUPOOL_FAKE_NVML_STATE", "value": self.agent.state}),
+        ];
+        if let Some(dev) = &self.setup.nvml_dev_dir {
+            env.push(json!({"name": "GPUPOOL_FAKE_NVML_DEV_DIR", "value": dev}));
+        }
+        let values = [
+            (
+                "agent.gpuNodeLabels",
+                json!([{"key": "kubernetes.io/hostname", "value": node}]),
+            ),
+            (
+                "agent.tolerations",
+                json!([{"key": "e2e.gpupool.io/real-kubelet", "operator": "Exists", "effect": "NoSchedule"}]),
+            ),
+            ("agent.hostPaths.driverRoot", json!(self.driver_root)),
+            ("agent.hostPaths.cdiDir", json!(cdi)),
+            ("agent.hostPaths.podResources", json!(pod_resources)),
+            (
+                "agent.kmsgPath",
+                json!(self.dir.join("kmsg").display().to_string()),
+            ),
+            (
+                "agent.extraArgs",
+                json!([
+                    format!("--cdi-dir={cdi}"),
+                    format!("--proc-root={}", at_host(&self.driver_root.join("proc"))),
+                ]),
+            ),
+            ("agent.env", Value::Array(env)),
+            (
+                "agent.volumes",
+                json!([{"name": "fake-node", "hostPath": {"path": self.dir, "type": "Directory"}}]),
+            ),
+            (
+                "agent.volumeMounts",
+                json!([{"name": "fake-node", "mountPath": self.dir}]),
+            ),
+        ];
+        Ok(values.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
     }
 }
 

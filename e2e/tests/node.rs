@@ -27,8 +27,12 @@
 //! 7. the agent run again as a container laid out as the chart runs it (its own root file
 //!    system and loader, the host's `/` read-only at `/host`, NVML loaded by full path from the
 //!    driver root): the same spec, byte for byte, and a GPU pod starts through it;
-//! 8. `helm install` of the chart and `helm test`: its test pod, on this node, finds the GPU's
-//!    device node and NVML (the spec's `nvidia-smi -L`) lists that GPU and no other.
+//! 8. the chart installed on this node with the project's images (`images/build.sh`): the agent
+//!    DaemonSet's pod and the operator's pods run as real containers with their own service
+//!    accounts; the agent pod registers and writes the spec, the operator takes the lease and
+//!    makes a pool of this node Ready; `helm test`'s pod starts through the agent pod, finds
+//!    the GPU's device node, and NVML (the spec's `nvidia-smi -L`) lists that GPU and no other;
+//!    `helm uninstall` (its pre-delete hook a container too) leaves no `gpupool.io/` label.
 //!
 //! Opt-in with the rest of the real-kubelet layer (`GPUPOOL_E2E_KUBELET=1`); `e2e/kubelet check`
 //! with the containerd runtime says why it cannot run otherwise.
@@ -41,15 +45,19 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use gpupool_crds::node::{GpuMigSpec, MigState, NodeMigSpec};
 use gpupool_crds::policy::MigStrategy;
+use gpupool_crds::{GpuNode, GpuPool};
 use gpupool_e2e::agent::{wait_event, wait_status};
 use gpupool_e2e::kubelet::{
     RealKubelet, Runtime, create_pod, delete_pod_and_wait, phase, skip_reason, wait_node_resources,
     wait_pod,
 };
 use gpupool_e2e::node::{FAKE_DIR, GpuNodeHost, PROBE_CUDA_ENV_IMAGE, PROBE_IMAGE, probe_pod};
+use gpupool_e2e::service_relay::ApiServiceRelay;
 use gpupool_e2e::wait::poll;
-use gpupool_e2e::{Cluster, TestScope, crds, repo_root};
-use k8s_openapi::api::core::v1::Pod;
+use gpupool_e2e::{Cluster, TestScope, crds, images, repo_root};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 
@@ -208,40 +216,133 @@ fn mig_cap_minors(driver_root: &Path, gpu: u32, gi: u32, ci: u32) -> Result<BTre
     Ok(minors)
 }
 
-/// Installs the chart (CRDs already there, no images needed: its workloads land on kwok nodes),
-/// runs `helm test` with the test pod on `node`, checks what it printed, and uninstalls.
-async fn helm_test(
-    cluster: &Cluster,
+/// A pod's phase, readiness and container states, for error messages.
+fn pod_summary(pod: &Pod) -> String {
+    let status = pod.status.as_ref();
+    let containers = status
+        .and_then(|s| s.container_statuses.as_ref())
+        .map(|cs| {
+            cs.iter()
+                .map(|c| {
+                    format!(
+                        "{} ready={} restarts={} state={}",
+                        c.name,
+                        c.ready,
+                        c.restart_count,
+                        c.state
+                            .as_ref()
+                            .and_then(|s| serde_json::to_string(s).ok())
+                            .unwrap_or_default()
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; ")
+        })
+        .unwrap_or_default();
+    format!(
+        "{} on {}: {} [{containers}]",
+        pod.metadata.name.as_deref().unwrap_or("?"),
+        pod.spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_deref())
+            .unwrap_or("(unscheduled)"),
+        phase(pod)
+    )
+}
+
+/// The pods matching `selector` in `namespace`, with their containers' logs as the runtime
+/// keeps them: what an error message needs when a chart workload misbehaves.
+async fn workload_report(
+    client: &Client,
+    kubelet: &RealKubelet,
+    namespace: &str,
+    selector: &str,
+) -> String {
+    let pods = match Api::<Pod>::namespaced(client.clone(), namespace)
+        .list(&ListParams::default().labels(selector))
+        .await
+    {
+        Ok(p) => p.items,
+        Err(e) => return format!("(listing pods {selector} in {namespace}: {e})"),
+    };
+    let mut out = String::new();
+    for pod in &pods {
+        out.push_str(&format!("--- {}\n", pod_summary(pod)));
+        for c in pod.spec.iter().flat_map(|s| s.containers.iter()) {
+            let log = kubelet
+                .container_log(pod, &c.name)
+                .unwrap_or_else(|e| format!("({e:#})"));
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            for line in tail.into_iter().rev() {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    if pods.is_empty() {
+        out.push_str(&format!("(no pods {selector} in {namespace})\n"));
+    }
+    out
+}
+
+/// The chart as it runs on a GPU node, in place of the agent the earlier steps ran.
+///
+/// The project's images (`images/build.sh` over this build's binaries) are imported into
+/// containerd and the chart is installed with its own templates and image references. The agent
+/// DaemonSet's pod and both operator replicas run as real containers on this node, and reach
+/// the API server through the `kubernetes` Service ([`ApiServiceRelay`]) with their own service
+/// accounts. Then: the agent pod registers with the kubelet and writes the CDI spec; the
+/// operator takes the lease and makes a pool of this node Ready; `helm test`'s pod starts
+/// through the agent pod, finds the GPU's device node, and NVML (the spec's `nvidia-smi -L`)
+/// lists that GPU and no other; `helm uninstall`, whose pre-delete hook is a real container
+/// too, leaves no `gpupool.io/` label on the node.
+async fn chart_on_node(
+    cluster: &'static Cluster,
     client: &Client,
     kubelet: &RealKubelet,
     scope: &TestScope,
-    node: &str,
-    fake_dir: &Path,
+    host: &mut GpuNodeHost,
     uuid: &str,
 ) -> Result<()> {
-    let tools = cluster.tools();
+    let node = kubelet.node.clone();
+    // The chart's agent replaces the one run so far, and the operator hands the node its
+    // desired state from a pool: the earlier steps' GpuNode goes.
+    let spec_path = host.agent.cdi_spec.clone();
+    host.agent.stop();
+    let _ = fs::remove_file(&spec_path);
+    let gpunodes: Api<GpuNode> = Api::all(client.clone());
+    if gpunodes.get_opt(&node).await?.is_some() {
+        gpunodes.delete(&node, &DeleteParams::default()).await?;
+    }
+    poll(
+        "the earlier GpuNode to go",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async { Ok(gpunodes.get_opt(&node).await?.is_none().then_some(())) },
+    )
+    .await?;
+
+    images::build_and_import(kubelet, &host.dir.join("images-work"))?;
+    let _relay = ApiServiceRelay::start(cluster, client).await?;
+
     let release = scope.name("rel");
-    let chart = repo_root().join("charts/gpupool");
-    let kubeconfig = cluster.kubeconfig().display().to_string();
-    let helm = |args: &[&str]| -> Result<String> {
-        let out = std::process::Command::new(tools.helm())
-            .args(args)
-            .args(["-n", scope.namespace(), "--kubeconfig", &kubeconfig])
-            .output()
-            .context("running helm")?;
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        ensure!(
-            out.status.success(),
-            "helm {args:?}: {}\n{text}",
-            out.status
-        );
-        Ok(text)
-    };
-    let sets = [
+    let agent_ns = format!("{release}-node");
+    let (label_key, label_value) = scope.label();
+    let toleration = json!([{"key": "e2e.gpupool.io/real-kubelet", "operator": "Exists", "effect": "NoSchedule"}]);
+    let fake_dir = &host.dir;
+    let mut sets: Vec<(String, serde_json::Value)> = [
+        ("crds.install", json!(false)),
+        (
+            "operator.nodeSelector",
+            json!({"kubernetes.io/hostname": node}),
+        ),
+        ("operator.tolerations", toleration.clone()),
+        (
+            "operator.poolSelector",
+            json!(format!("{label_key}={label_value}")),
+        ),
+        ("operator.logJson", json!(false)),
+        ("agent.logJson", json!(false)),
         ("tests.image.repository", json!("gpupool.local/e2e/probe")),
         ("tests.image.tag", json!("1")),
         ("tests.image.pullPolicy", json!("Never")),
@@ -249,10 +350,7 @@ async fn helm_test(
             "tests.nodeSelector",
             json!({"kubernetes.io/hostname": node}),
         ),
-        (
-            "tests.tolerations",
-            json!([{"key": "e2e.gpupool.io/real-kubelet", "operator": "Exists", "effect": "NoSchedule"}]),
-        ),
+        ("tests.tolerations", toleration),
         (
             "tests.env",
             json!([
@@ -268,18 +366,191 @@ async fn helm_test(
             "tests.volumeMounts",
             json!([{"name": "fake", "mountPath": FAKE_DIR}]),
         ),
-        ("crds.install", json!(false)),
-    ];
-    let sets: Vec<String> = sets.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    let chart_arg = chart.display().to_string();
-    let mut args = vec!["install", &release, &chart_arg];
-    for set in &sets {
-        args.extend(["--set-json", set]);
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    sets.extend(host.chart_agent_values(kubelet)?);
+    let helm = Helm::new(cluster, scope.namespace());
+    let chart = repo_root().join("charts/gpupool").display().to_string();
+    let mut args = vec!["install".to_owned(), release.clone(), chart];
+    for (k, v) in &sets {
+        args.extend(["--set-json".to_owned(), format!("{k}={v}")]);
     }
-    helm(&args)?;
+    helm.run(&args)?;
+
+    let installed = installed_chart_works(
+        client, kubelet, scope, &helm, &release, &agent_ns, &node, &spec_path, uuid,
+    )
+    .await;
+    let report = if installed.is_err() {
+        format!(
+            "agent:\n{}\noperator:\n{}",
+            workload_report(
+                client,
+                kubelet,
+                &agent_ns,
+                "app.kubernetes.io/component=node-agent"
+            )
+            .await,
+            workload_report(
+                client,
+                kubelet,
+                scope.namespace(),
+                "app.kubernetes.io/component=operator"
+            )
+            .await
+        )
+    } else {
+        String::new()
+    };
+    let uninstalled = helm.run(&["uninstall", &release, "--wait", "--timeout", "3m"]);
+    installed.with_context(|| report.clone())?;
+    uninstalled.with_context(|| format!("the pre-delete hook:\n{}", report))?;
+    // The hook deleted the pool while the operator ran; the operator's cleanup took the
+    // node's labels with it.
+    let labels = Api::<Node>::all(client.clone())
+        .get(&node)
+        .await?
+        .metadata
+        .labels
+        .unwrap_or_default();
+    let left: Vec<&String> = labels
+        .keys()
+        .filter(|k| k.starts_with("gpupool.io/"))
+        .collect();
+    ensure!(
+        left.is_empty(),
+        "helm uninstall left labels on {node}: {left:?}"
+    );
+    Ok(())
+}
+
+/// What the installed chart must do before and during `helm test` (see [`chart_on_node`]).
+#[allow(clippy::too_many_arguments)]
+async fn installed_chart_works(
+    client: &Client,
+    kubelet: &RealKubelet,
+    scope: &TestScope,
+    helm: &Helm,
+    release: &str,
+    agent_ns: &str,
+    node: &str,
+    spec_path: &Path,
+    uuid: &str,
+) -> Result<()> {
+    // A pool of this node, with the MIG layout the node already has: the operator hands the
+    // node its GpuNode, which the agent waits for.
+    let (k, v) = scope.label();
+    let pool_name = scope.name("pool");
+    let pool: GpuPool = serde_json::from_value(json!({
+        "apiVersion": "gpupool.io/v1alpha1",
+        "kind": "GpuPool",
+        "metadata": {"name": pool_name, "labels": {k: v}},
+        "spec": {
+            "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": node}},
+            "driver": {"minVersion": "550"},
+            "mig": {"strategy": "mixed", "layout": {"custom": [
+                {"gpus": [0], "enabled": true, "profiles": {"1g.10gb": 3}},
+            ]}},
+        },
+    }))?;
+    scope.track_kind("gpupools.gpupool.io");
+    let pools: Api<GpuPool> = Api::all(client.clone());
+    pools.create(&PostParams::default(), &pool).await?;
+    // The agent DaemonSet's pod: running, ready (validated, registered with the kubelet), spec
+    // written.
+    let agent_pods: Api<Pod> = Api::namespaced(client.clone(), agent_ns);
+    let agent_pod = poll(
+        "the agent DaemonSet's pod to be ready on the real node",
+        Duration::from_secs(120),
+        Duration::from_millis(500),
+        || async {
+            let pods = agent_pods
+                .list(&ListParams::default().labels("app.kubernetes.io/component=node-agent"))
+                .await?;
+            Ok(pods.items.into_iter().find(|p| {
+                p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+                    && p.status
+                        .as_ref()
+                        .and_then(|s| s.conditions.as_ref())
+                        .is_some_and(|cs| {
+                            cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                        })
+            }))
+        },
+    )
+    .await?;
+    poll(
+        "the agent pod to write the CDI spec",
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async { Ok(spec_path.exists().then_some(())) },
+    )
+    .await?;
+    let log = kubelet.container_log(&agent_pod, "agent")?;
+    ensure!(
+        log.contains("NVML found"),
+        "the agent pod did not load the driver root's NVML:\n{log}"
+    );
+
+    let ready = poll(
+        "the pool to be Ready from the agent pod's report",
+        Duration::from_secs(120),
+        Duration::from_millis(500),
+        || async {
+            let p = pools.get(&pool_name).await?;
+            Ok(p.status
+                .as_ref()
+                .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
+                .filter(|c| c.status == "True")
+                .map(|_| p.clone()))
+        },
+    )
+    .await;
+    ready.with_context(|| {
+        format!(
+            "pool status: {}",
+            serde_json::to_string(&pool).unwrap_or_default()
+        )
+    })?;
+    wait_node_resources(
+        client,
+        node,
+        "1 GPU and 3 × 1g.10gb from the agent pod",
+        Duration::from_secs(60),
+        &[(GPU, Some(1), Some(1)), (MIG_1G, Some(3), Some(3))],
+    )
+    .await?;
+
+    // The lease is held by one of the operator's pods, running here.
+    let lease = Api::<Lease>::namespaced(client.clone(), scope.namespace())
+        .get("gpupool-operator")
+        .await
+        .context("the operator's Lease")?;
+    let holder = lease
+        .spec
+        .and_then(|s| s.holder_identity)
+        .context("the Lease has no holder")?;
+    let operators = Api::<Pod>::namespaced(client.clone(), scope.namespace())
+        .list(&ListParams::default().labels("app.kubernetes.io/component=operator"))
+        .await?;
+    let leader = operators
+        .items
+        .iter()
+        .find(|p| p.metadata.name.as_deref() == Some(holder.as_str()))
+        .with_context(|| format!("the Lease holder {holder} is no operator pod"))?;
+    ensure!(
+        phase(leader) == "Running"
+            && leader.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node),
+        "the leader is not running on {node}: {}",
+        pod_summary(leader)
+    );
+
+    // `helm test`: its pod gets the GPU through the agent pod's plugin.
     // `--logs` would fetch them through the kubelet's server, by a node name this test bed
     // cannot resolve; the container's log is read from the runtime instead.
-    let tested = helm(&["test", &release, "--timeout", "3m"]);
+    let tested = helm.run(&["test", release, "--timeout", "3m"]);
     let pod_name = format!("{release}-gpupool-test-gpu");
     let log = match Api::<Pod>::namespaced(client.clone(), scope.namespace())
         .get(&pod_name)
@@ -288,7 +559,6 @@ async fn helm_test(
         Ok(pod) => kubelet.container_log(&pod, "gpu")?,
         Err(e) => format!("(test pod {pod_name}: {e})"),
     };
-    let uninstalled = helm(&["uninstall", &release, "--wait", "--timeout", "3m"]);
     eprintln!("e2e: helm test's pod printed:\n{log}");
     let out = tested.with_context(|| format!("the test pod printed:\n{log}"))?;
     ensure!(out.contains("Succeeded"), "helm test did not pass:\n{out}");
@@ -300,8 +570,40 @@ async fn helm_test(
         log.contains(&format!("(UUID: {uuid})")),
         "the test pod's NVML did not list the allocated GPU {uuid}:\n{log}"
     );
-    uninstalled?;
     Ok(())
+}
+
+/// `helm` against the cluster, in one namespace.
+struct Helm {
+    helm: std::path::PathBuf,
+    kubeconfig: String,
+    namespace: String,
+}
+
+impl Helm {
+    fn new(cluster: &Cluster, namespace: &str) -> Helm {
+        Helm {
+            helm: cluster.tools().helm(),
+            kubeconfig: cluster.kubeconfig().display().to_string(),
+            namespace: namespace.to_owned(),
+        }
+    }
+
+    /// Runs helm; its stdout and stderr, or an error with both.
+    fn run<S: AsRef<std::ffi::OsStr>>(&self, args: &[S]) -> Result<String> {
+        let out = std::process::Command::new(&self.helm)
+            .args(args)
+            .args(["-n", &self.namespace, "--kubeconfig", &self.kubeconfig])
+            .output()
+            .context("running helm")?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ensure!(out.status.success(), "helm: {}\n{text}", out.status);
+        Ok(text)
+    }
 }
 
 #[tokio::test]
@@ -609,13 +911,10 @@ async fn gpu_pods_start_on_containerd_with_our_cdi_spec() -> Result<()> {
     check_driver_loads(&probe, &name)?;
     delete_pod_and_wait(&client, &scope, &name).await?;
 
-    // 8. `helm test`: the chart installed with its own templates, and its test pod (placed on
-    // this node, with the probe image and the fake NVML's files) checks inside its container
-    // that the GPU was injected and that NVML, through the spec's nvidia-smi and
-    // libnvidia-ml.so.1, lists exactly that GPU.
-    helm_test(cluster, &client, &kubelet, &scope, &node, &dir, &gpu1_uuid)
-        .await
-        .with_context(|| host.agent.log_text())?;
+    // 8. The chart on this node: our images in containerd, the agent DaemonSet's pod and the
+    // operator's pods as real containers; the pool Ready, `helm test`'s GPU pod started
+    // through the agent pod, and `helm uninstall` leaving nothing behind.
+    chart_on_node(cluster, &client, &kubelet, &scope, &mut host, &gpu1_uuid).await?;
 
     drop(host);
     let _ = fs::remove_dir_all(&dir);
