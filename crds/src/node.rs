@@ -166,6 +166,15 @@ pub struct GpuNodeStatus {
     /// Agent-level conditions (e.g. `PodResourcesAvailable`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+
+    /// When the agent wrote this status, by the node's clock. The agent writes at least once
+    /// per heartbeat interval (`--heartbeat-secs`, 60 s by default) even when nothing changed,
+    /// so the operator can tell a live agent from a dead, hung or cut-off one. The operator
+    /// times staleness on its own clock, from when it sees this value change, and reads the
+    /// difference between the two clocks from it (see the pool's `AgentStale` and `ClockSkew`
+    /// node problems).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat_time: Option<Time>,
 }
 
 /// One driver check.

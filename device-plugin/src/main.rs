@@ -102,6 +102,12 @@ struct Cli {
     /// which `/healthz` fails and the kubelet restarts the agent; at least 60.
     #[arg(long, env = "GPUPOOL_LIVENESS_STALL_SECS", default_value_t = 180)]
     liveness_stall_secs: u64,
+    /// Longest time between two GpuNode status writes, in seconds, even when nothing changed:
+    /// the heartbeat by which the operator tells a live agent from a dead or cut-off one (it
+    /// calls an agent stale after 180 s without one). 10 to 60.
+    #[arg(long, env = "GPUPOOL_HEARTBEAT_SECS", default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(10..=60))]
+    heartbeat_secs: u64,
     /// Log as JSON lines.
     #[arg(long, env = "GPUPOOL_LOG_JSON")]
     log_json: bool,
@@ -195,6 +201,7 @@ fn agent_config(cli: &Cli) -> AgentConfig {
         mig_step_delay: Duration::from_millis(cli.mig_step_delay_ms),
         idle_samples: cli.idle_samples,
         health_hold_down: Duration::from_secs(cli.health_recovery_hold_down_secs),
+        heartbeat: Duration::from_secs(cli.heartbeat_secs),
     }
 }
 

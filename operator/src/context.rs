@@ -18,6 +18,7 @@ use kube::runtime::events::{Event, Recorder};
 use kube::runtime::reflector::Store;
 use tracing::warn;
 
+use crate::liveness::Liveness;
 use crate::metrics::Metrics;
 /// Field manager for every write.
 pub const FIELD_MANAGER: &str = "gpupool-operator";
@@ -35,6 +36,8 @@ pub struct Settings {
     pub backoff_max: Duration,
     /// Label selector narrowing the GpuPools this operator manages (sharding, tests).
     pub pool_selector: Option<String>,
+    /// How long an agent may go without a heartbeat before its node's report is stale.
+    pub agent_stale_after: Duration,
 }
 
 impl Default for Settings {
@@ -45,6 +48,7 @@ impl Default for Settings {
             backoff_min: Duration::from_secs(5),
             backoff_max: Duration::from_secs(300),
             pool_selector: None,
+            agent_stale_after: Duration::from_secs(180),
         }
     }
 }
@@ -77,6 +81,8 @@ pub struct Context {
     pub failures: Mutex<HashMap<String, u32>>,
     /// Per-pod eviction retry state: attempts and when to try next.
     pub evict_retry: Mutex<HashMap<String, (u32, Timestamp)>>,
+    /// The agents' heartbeats as the GpuNode watch delivers them.
+    pub liveness: Arc<Liveness>,
 }
 
 impl Context {

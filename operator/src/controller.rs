@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::{StreamExt, future, stream};
+use futures::{StreamExt, TryStreamExt, future, stream};
 use gpupool_crds::conditions::{Observed, condition};
 use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
 use gpupool_crds::node::Verdict;
@@ -29,6 +29,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::context::{Context, FIELD_MANAGER, Settings};
 use crate::error::{Error, Failures, Result};
+use crate::liveness::Liveness;
 use crate::metrics::{ErrorLabels, Metrics, ReconcileLabels};
 use crate::pool::{self, Member};
 use crate::{drain, membership, reclaim_run};
@@ -244,6 +245,10 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
                 .filter(|gn| owned_by(gn, pool))
                 .map(|gn| gn.as_ref()),
             layout_problem: problem,
+            node_ready: node_ready_status(node) == Some("True"),
+            agent: ctx
+                .liveness
+                .judge(&node_name, now, ctx.settings.agent_stale_after),
         });
     }
     // A failed write does not stop the others: the status names what failed.
@@ -679,9 +684,20 @@ pub async fn run(
     let (ns_store, ns_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
 
     let cfg = watcher::Config::default().any_semantic();
+    let liveness = Arc::new(Liveness::default());
+    let seen = liveness.clone();
+    // Heartbeats are timed as the watch delivers them (see crate::liveness).
     let gn_stream = reflector(gn_writer, watcher(gn_api, cfg.clone()).modify(trim_gpunode))
         .default_backoff()
-        .touched_objects();
+        .touched_objects()
+        .inspect_ok(move |gn: &GpuNode| {
+            let heartbeat = gn
+                .status
+                .as_ref()
+                .and_then(|s| s.heartbeat_time.as_ref())
+                .map(|t| t.0);
+            seen.observe(&gn.name_any(), heartbeat, Timestamp::now());
+        });
     let node_stream = relevant_node_changes(
         reflector(
             node_writer,
@@ -731,6 +747,7 @@ pub async fn run(
         settings,
         failures: Mutex::default(),
         evict_retry: Mutex::default(),
+        liveness,
     });
 
     // A node change concerns the pools that match it and the pool its label names.

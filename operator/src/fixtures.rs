@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
 use gpupool_crds::{GpuNode, GpuPool};
 use http::{Method, Request, Response};
-use k8s_openapi::api::core::v1::{Namespace, Node, NodeSpec, Pod, Taint};
+use k8s_openapi::api::core::v1::{
+    Namespace, Node, NodeCondition, NodeSpec, NodeStatus, Pod, Taint,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::PartialObjectMeta;
@@ -22,6 +24,7 @@ use tower_test::mock::{self, Handle};
 use crate::context::{Context, Settings};
 use crate::controller::reconcile;
 use crate::error::ApiFailure;
+use crate::liveness::AgentLiveness;
 use crate::metrics::Metrics;
 use crate::pool::tests::{labels, pool, ready_gpunode};
 use crate::pool::{self, API_ERRORS, Member, StatusInput};
@@ -153,6 +156,7 @@ impl Fixture {
             settings: Settings::default(),
             failures: Mutex::default(),
             evict_retry: Mutex::default(),
+            liveness: Arc::default(),
         });
         Self {
             ctx,
@@ -174,9 +178,18 @@ impl Fixture {
             .apply_watcher_event(&watcher::Event::Apply(n.clone()));
     }
 
+    /// A GpuNode, delivered now (its agent counts as live).
     fn gpunode(&mut self, g: &GpuNode) {
         self.gpunodes
             .apply_watcher_event(&watcher::Event::Apply(g.clone()));
+        self.ctx.liveness.observe(
+            &g.name_any(),
+            g.status
+                .as_ref()
+                .and_then(|s| s.heartbeat_time.as_ref())
+                .map(|t| t.0),
+            Timestamp::now(),
+        );
     }
 }
 
@@ -201,6 +214,14 @@ fn gpu_node(name: &str, pool_label: Option<&str>, tainted: bool) -> Node {
                 ..Default::default()
             }]
         }),
+        ..Default::default()
+    });
+    n.status = Some(NodeStatus {
+        conditions: Some(vec![NodeCondition {
+            type_: "Ready".into(),
+            status: "True".into(),
+            ..Default::default()
+        }]),
         ..Default::default()
     });
     n
@@ -238,6 +259,8 @@ async fn an_unchanged_pool_writes_nothing() {
             node: "n1".into(),
             gpunode: Some(&gn),
             layout_problem: None,
+            node_ready: true,
+            agent: AgentLiveness::Live { skew: None },
         }],
         conflicts: vec![],
         selector_error: None,
@@ -587,6 +610,8 @@ fn train_fixture(client: Client, labelled: bool, failures: Vec<ApiFailure>) -> (
             node: "n1".into(),
             gpunode: Some(&gn),
             layout_problem: None,
+            node_ready: true,
+            agent: AgentLiveness::Live { skew: None },
         }],
         conflicts: vec![],
         selector_error: None,

@@ -14,6 +14,7 @@ pub mod error;
 pub mod http;
 pub mod layout;
 pub mod lifecycle;
+pub mod liveness;
 pub mod membership;
 pub mod metrics;
 pub mod pool;

@@ -60,6 +60,12 @@ struct Args {
     /// operators); all by default.
     #[arg(long, env = "GPUPOOL_POOL_SELECTOR")]
     pool_selector: Option<String>,
+    /// Seconds without a new heartbeat from a node's agent (agents write one at least every
+    /// 60 s) after which its report is stale: the node is not ready, its GPUs are not counted
+    /// healthy and nothing is reclaimed on it. At least 120.
+    #[arg(long, env = "GPUPOOL_AGENT_STALE_SECS", default_value_t = 180,
+        value_parser = clap::value_parser!(u64).range(120..))]
+    agent_stale_secs: u64,
     /// Seconds to wait for the CRDs to be Established at start.
     #[arg(long, env = "GPUPOOL_CRD_TIMEOUT", default_value_t = 60)]
     crd_timeout: u64,
@@ -190,6 +196,7 @@ async fn main() -> Result<()> {
         reclaim_interval: Duration::from_secs(args.reclaim_interval),
         resync: Duration::from_secs(args.resync),
         pool_selector: args.pool_selector.clone(),
+        agent_stale_after: Duration::from_secs(args.agent_stale_secs),
         ..Settings::default()
     };
 

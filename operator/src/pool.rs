@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpupool_crds::conditions::{Observed, condition, set_condition};
+use gpupool_crds::labels::POOL_LABEL;
 use gpupool_crds::node::{
     CDI_SPEC_READY, GpuNode, GpuNodeSpec, Health, MigState, UtilizationSpec, Verdict,
 };
@@ -17,6 +18,7 @@ use kube::{Resource, ResourceExt};
 
 use crate::error::ApiFailure;
 use crate::layout::{self, LayoutProblem, NodeGpus};
+use crate::liveness::{AgentLiveness, HEARTBEAT_INTERVAL};
 
 /// Most per-node problems a status lists.
 pub const MAX_PROBLEMS: usize = 50;
@@ -37,15 +39,25 @@ pub fn matches(pool: &GpuPool, labels: &BTreeMap<String, String>) -> bool {
     selector(pool).is_ok_and(|s| s.matches(labels))
 }
 
-/// The pool that owns a node matched by `pools`: the oldest by creation time, then by name.
+/// The pool that owns a node matched by `pools`: the pool that holds it now (its
+/// `gpupool.io/pool` label) while that pool still matches it, else the oldest by creation time,
+/// then by name. A held node is never taken: an older pool whose selector widens over it does
+/// not re-layout and drain it, it reports the overlap instead (see [`ConflictingNode`]).
 pub fn owner_of<'p>(
     labels: &BTreeMap<String, String>,
     pools: impl IntoIterator<Item = &'p GpuPool>,
 ) -> Option<&'p GpuPool> {
-    pools
-        .into_iter()
-        .filter(|p| matches(p, labels))
-        .min_by(|a, b| age_key(a).cmp(&age_key(b)))
+    let matching: Vec<&GpuPool> = pools.into_iter().filter(|p| matches(p, labels)).collect();
+    let holder = labels.get(POOL_LABEL);
+    matching
+        .iter()
+        .copied()
+        .find(|p| holder == Some(&p.name_any()))
+        .or_else(|| {
+            matching
+                .into_iter()
+                .min_by(|a, b| age_key(a).cmp(&age_key(b)))
+        })
 }
 
 fn age_key(pool: &GpuPool) -> (Option<Timestamp>, String) {
@@ -114,15 +126,23 @@ pub struct Member<'a> {
     pub gpunode: Option<&'a GpuNode>,
     /// A layout that does not fit the node.
     pub layout_problem: Option<LayoutProblem>,
+    /// Whether the Node reports Ready: a node whose kubelet has stopped reporting (powered
+    /// off, partitioned) cannot vouch for what its agent last said.
+    pub node_ready: bool,
+    /// Whether its agent is alive, by its heartbeats ([`crate::liveness`]).
+    pub agent: AgentLiveness,
 }
 
-/// A node the pool's selector matches that an older pool owns.
+/// A node two pools' selectors both match. Both pools report it: the one that holds the node
+/// and the one that cannot have it.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ConflictingNode {
     /// The node.
     pub node: String,
-    /// The pool that owns it.
-    pub owner: String,
+    /// The other pool.
+    pub other: String,
+    /// Whether this pool holds the node (else `other` does).
+    pub held_here: bool,
 }
 
 /// Everything the status is computed from.
@@ -132,7 +152,7 @@ pub struct StatusInput<'a> {
     pub pool: &'a GpuPool,
     /// Nodes it owns.
     pub members: Vec<Member<'a>>,
-    /// Nodes it matches that older pools own.
+    /// Nodes it shares with other pools' selectors, held here or there.
     pub conflicts: Vec<ConflictingNode>,
     /// Why the selector is unusable, if it is.
     pub selector_error: Option<String>,
@@ -149,6 +169,8 @@ pub struct StatusInput<'a> {
 /// How one node fares.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct NodeVerdict {
+    /// The Node is Ready and its agent live: what it reported stands for now.
+    trusted: bool,
     reported: bool,
     validated: bool,
     driver_failed: bool,
@@ -168,7 +190,8 @@ enum MigVerdict {
 
 impl NodeVerdict {
     fn ready(&self) -> bool {
-        self.reported
+        self.trusted
+            && self.reported
             && self.validated
             && self.cdi_current
             && matches!(self.mig, MigVerdict::NotManaged | MigVerdict::Applied)
@@ -211,6 +234,42 @@ fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -
         return v;
     };
     v.reported = true;
+    v.trusted = m.node_ready && m.agent.is_live();
+    if !m.node_ready {
+        problem(
+            "NodeNotReady",
+            "the Node is not Ready (its kubelet has stopped reporting: powered off, partitioned \
+             or failing): what the agent last reported is not trusted, and its GPUs are not \
+             counted healthy"
+                .into(),
+        );
+    }
+    match &m.agent {
+        AgentLiveness::Stale { silent_for } => problem(
+            "AgentStale",
+            format!(
+                "the gpupool agent has not reported for {}s (it writes at least every {}s): its \
+                 status is out of date, so the node is not ready, its GPUs are not counted \
+                 healthy and nothing is reclaimed on it; check the device-plugin pod on this node",
+                silent_for.as_secs(),
+                HEARTBEAT_INTERVAL.as_secs()
+            ),
+        ),
+        AgentLiveness::Live { skew: Some(skew) } => problem(
+            "ClockSkew",
+            format!(
+                "the node's clock is {}s {} the operator's: its idle times are read on the \
+                 operator's clock; fix the node's time sync (NTP/chrony)",
+                skew.as_secs().unsigned_abs(),
+                if skew.is_negative() {
+                    "behind"
+                } else {
+                    "ahead of"
+                }
+            ),
+        ),
+        AgentLiveness::Live { skew: None } | AgentLiveness::Unknown => {}
+    }
     let generation = gn.metadata.generation;
     let current = |observed: Option<i64>| generation.is_none() || observed == generation;
     match status.validated {
@@ -314,10 +373,19 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
         problems.push(NodeProblem {
             node: c.node.clone(),
             reason: "Conflict".into(),
-            message: format!(
-                "also matched by pool {}, which is older and owns the node: narrow one of the selectors",
-                c.owner
-            ),
+            message: if c.held_here {
+                format!(
+                    "also matched by pool {}; this pool holds the node and keeps it: narrow one of \
+                     the selectors",
+                    c.other
+                )
+            } else {
+                format!(
+                    "also matched by pool {}, which holds the node (it had it first, or is older): \
+                     narrow one of the selectors",
+                    c.other
+                )
+            },
         });
     }
     problems.sort();
@@ -328,10 +396,18 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
     let ready = verdicts.iter().filter(|v| v.ready()).count() as u32;
     let mut gpus = GpuCounts::default();
     let mut drivers: BTreeMap<String, u32> = BTreeMap::new();
-    for gn in input.members.iter().filter_map(|m| m.gpunode) {
+    for (gn, verdict) in input
+        .members
+        .iter()
+        .zip(&verdicts)
+        .filter_map(|(m, v)| m.gpunode.map(|gn| (gn, v)))
+    {
         if let Some(s) = &gn.status {
             gpus.total += s.gpu_count;
-            gpus.healthy += s.healthy_gpus;
+            // A node that cannot vouch for its report has no GPU known to be healthy.
+            if verdict.trusted {
+                gpus.healthy += s.healthy_gpus;
+            }
             if let Some(d) = &s.driver_version {
                 *drivers.entry(d.clone()).or_default() += 1;
             }
@@ -365,7 +441,10 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
             input.now,
         ));
     };
-    let conflict = !input.conflicts.is_empty();
+    // Nodes this pool selects but cannot have keep it from Ready; nodes it holds that another
+    // pool also selects do not, but both pools say so under Conflict.
+    let conflict = input.conflicts.iter().any(|c| !c.held_here);
+    let overlap = !input.conflicts.is_empty();
     let blocked = input.api_failures.iter().any(blocks_ready);
     let ready_ok = selected > 0
         && ready == selected
@@ -382,13 +461,13 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
     } else if selected == 0 {
         (
             "NoNodes",
-            "no node matches the node selector (or all are owned by older pools)".to_owned(),
+            "no node matches the node selector (or other pools hold them all)".to_owned(),
         )
     } else if conflict {
         (
             "Conflict",
             format!(
-                "{ready}/{selected} nodes ready; the selector overlaps older pools (see Conflict)"
+                "{ready}/{selected} nodes ready; other pools hold nodes this selector matches (see Conflict)"
             ),
         )
     } else if ready_ok {
@@ -488,27 +567,43 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
         &previous.conditions,
         Observed {
             type_: "Conflict",
-            status: conflict,
+            status: overlap,
             reason: if conflict {
-                "NodesOwnedByOlderPool"
+                "NodesHeldByOtherPools"
+            } else if overlap {
+                "OtherPoolsMatchNodesHere"
             } else {
                 "NoConflict"
             },
-            message: if conflict {
-                let mut owners: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+            message: if overlap {
+                let mut lost: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+                let mut held: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
                 for c in &input.conflicts {
-                    owners.entry(&c.owner).or_default().push(&c.node);
+                    let side = if c.held_here { &mut held } else { &mut lost };
+                    side.entry(&c.other).or_default().push(&c.node);
                 }
-                format!(
-                    "nodes matched here belong to older pools: {}",
-                    owners
-                        .iter()
+                let list = |m: &BTreeMap<&str, Vec<&str>>| {
+                    m.iter()
                         .map(|(o, n)| format!("{o} ({})", names(n.iter().copied())))
                         .collect::<Vec<_>>()
                         .join("; ")
-                )
+                };
+                let mut parts = Vec::new();
+                if !lost.is_empty() {
+                    parts.push(format!(
+                        "nodes matched here are held by other pools: {}",
+                        list(&lost)
+                    ));
+                }
+                if !held.is_empty() {
+                    parts.push(format!(
+                        "other pools also match nodes held here (they keep them until the selectors are disjoint): {}",
+                        list(&held)
+                    ));
+                }
+                format!("{}; make the selectors disjoint", parts.join("; "))
             } else {
-                "no node of this pool is matched by an older pool".into()
+                "no other pool matches a node of this pool".into()
             },
             observed_generation: gen_,
         },
@@ -735,7 +830,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn the_oldest_matching_pool_owns_a_node() {
+    fn the_holder_else_the_oldest_matching_pool_owns_a_node() {
         let a = pool("a", "2026-01-02T00:00:00Z", &[("team", "x")]);
         let b = pool("b", "2026-01-01T00:00:00Z", &[("team", "x")]);
         let b2 = pool("a0", "2026-01-01T00:00:00Z", &[("team", "x")]);
@@ -770,6 +865,18 @@ pub(crate) mod tests {
                 pools: vec![],
                 labels: &[("team", "x")],
                 want: None,
+            },
+            // The pool that holds the node keeps it while it matches, however old the others.
+            Case {
+                pools: vec![&a, &b, &b2],
+                labels: &[("team", "x"), (POOL_LABEL, "a")],
+                want: Some("a"),
+            },
+            // A label naming a pool that no longer matches holds nothing.
+            Case {
+                pools: vec![&a, &b, &c],
+                labels: &[("team", "y"), (POOL_LABEL, "a")],
+                want: Some("c"),
             },
         ];
         for c in cases {
@@ -840,7 +947,78 @@ pub(crate) mod tests {
             node: node.into(),
             gpunode: gn,
             layout_problem: None,
+            node_ready: true,
+            agent: AgentLiveness::Live { skew: None },
         }
+    }
+
+    /// A node whose Node is NotReady, or whose agent has gone quiet, is not ready and its
+    /// GPUs are not counted healthy, whatever its last report said; a skewed clock is named
+    /// but does not make the node unready.
+    #[test]
+    fn a_silent_node_or_agent_is_not_ready_and_its_gpus_not_healthy() {
+        use crate::liveness::AgentLiveness;
+        use k8s_openapi::jiff::SignedDuration;
+        let p = pool("train", "2026-01-01T00:00:00Z", &[]);
+        let good = ready_gpunode(&p, "n1");
+        let powered_off = Member {
+            node_ready: false,
+            ..member("n2", Some(&good))
+        };
+        let stale = Member {
+            agent: AgentLiveness::Stale {
+                silent_for: std::time::Duration::from_secs(240),
+            },
+            ..member("n3", Some(&good))
+        };
+        let unknown = Member {
+            agent: AgentLiveness::Unknown,
+            ..member("n5", Some(&good))
+        };
+        let skewed = Member {
+            agent: AgentLiveness::Live {
+                skew: Some(SignedDuration::from_secs(-600)),
+            },
+            ..member("n4", Some(&good))
+        };
+        let st = pool_status(&input(
+            &p,
+            vec![
+                member("n1", Some(&good)),
+                powered_off,
+                stale,
+                skewed,
+                unknown,
+            ],
+        ));
+        assert_eq!(condition_status(&st, "Ready"), Some("False"));
+        assert_eq!(st.nodes.as_deref(), Some("2/5"));
+        assert_eq!(st.gpus.total, 40);
+        assert_eq!(st.gpus.healthy, 16, "only n1 and n4 vouch for their GPUs");
+        let reasons: Vec<(&str, &str)> = st
+            .problems
+            .iter()
+            .map(|p| (p.node.as_str(), p.reason.as_str()))
+            .collect();
+        assert!(reasons.contains(&("n2", "NodeNotReady")), "{reasons:?}");
+        assert!(reasons.contains(&("n3", "AgentStale")), "{reasons:?}");
+        assert!(reasons.contains(&("n4", "ClockSkew")), "{reasons:?}");
+        let skew = st
+            .problems
+            .iter()
+            .find(|p| p.reason == "ClockSkew")
+            .unwrap();
+        assert!(skew.message.contains("600s behind"), "{}", skew.message);
+        let stale = st
+            .problems
+            .iter()
+            .find(|p| p.reason == "AgentStale")
+            .unwrap();
+        assert!(stale.message.contains("240s"), "{}", stale.message);
+        // Without them, the same reports make a ready pool.
+        let st = pool_status(&input(&p, vec![member("n1", Some(&good))]));
+        assert_eq!(condition_status(&st, "Ready"), Some("True"));
+        assert_eq!(st.gpus.healthy, 8);
     }
 
     #[test]
@@ -942,7 +1120,8 @@ pub(crate) mod tests {
         let mut inp = input(&p, vec![member("n1", Some(&gn))]);
         inp.conflicts = vec![ConflictingNode {
             node: "n2".into(),
-            owner: "old".into(),
+            other: "old".into(),
+            held_here: false,
         }];
         let st = pool_status(&inp);
         assert_eq!(condition_status(&st, "Ready"), Some("False"));
@@ -954,6 +1133,36 @@ pub(crate) mod tests {
             .unwrap();
         assert!(c.message.contains("old (n2)"), "{}", c.message);
         assert_eq!(st.problems[0].reason, "Conflict");
+    }
+
+    /// The pool that holds a node another pool also matches stays Ready and says so.
+    #[test]
+    fn a_pool_holding_a_shared_node_stays_ready_and_reports_the_overlap() {
+        let p = pool("old", "2026-01-01T00:00:00Z", &[]);
+        let gn = ready_gpunode(&p, "n1");
+        let mut inp = input(&p, vec![member("n1", Some(&gn))]);
+        inp.conflicts = vec![ConflictingNode {
+            node: "n1".into(),
+            other: "young".into(),
+            held_here: true,
+        }];
+        let st = pool_status(&inp);
+        assert_eq!(condition_status(&st, "Ready"), Some("True"));
+        let c = st
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Conflict")
+            .unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", "OtherPoolsMatchNodesHere")
+        );
+        assert!(c.message.contains("young (n1)"), "{}", c.message);
+        assert!(
+            st.problems[0].message.contains("keeps it"),
+            "{:?}",
+            st.problems
+        );
     }
 
     #[test]

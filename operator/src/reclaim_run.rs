@@ -21,6 +21,7 @@ use tracing::{debug, info, warn};
 use crate::context::{Context, FIELD_MANAGER, capped_backoff};
 use crate::demand::demand_pending;
 use crate::error::{Error, Failures, Result, api_code};
+use crate::liveness::on_operator_clock;
 use crate::reclaim::{
     self, ActionKind, DRY_RUN_ANNOTATION, Decision, PodContext, devices_by_pod, reclaim_decision,
 };
@@ -93,8 +94,16 @@ pub async fn run(
 
     for gn in gpunodes {
         let node_name = gn.name_any();
-        let fresh = node_ready(by_name.get(&node_name).copied());
-        for ((ns, name), devices) in devices_by_pod(gn) {
+        // Current only while the Node is Ready and its agent's heartbeats keep coming; the
+        // agent's idle times are on the node's clock, read here on ours.
+        let liveness = ctx
+            .liveness
+            .judge(&node_name, now, ctx.settings.agent_stale_after);
+        let fresh = node_ready(by_name.get(&node_name).copied()) && liveness.is_live();
+        for ((ns, name), mut devices) in devices_by_pod(gn) {
+            for d in &mut devices {
+                d.idle_since = d.idle_since.map(|t| on_operator_clock(t, liveness.skew()));
+            }
             let Some(pod) = ctx.pods.get(&ObjectRef::new(&name).within(&ns)) else {
                 continue;
             };

@@ -83,6 +83,9 @@ pub struct AgentConfig {
     pub idle_samples: u32,
     /// How long a device stays Unhealthy after its fault was seen to clear.
     pub health_hold_down: Duration,
+    /// Longest time between two GpuNode status writes, changed or not (the heartbeat the
+    /// operator judges the agent's liveness by).
+    pub heartbeat: Duration,
 }
 
 impl AgentConfig {

@@ -76,7 +76,7 @@ impl NodeState {
                 now,
             ),
             conditions: Vec::new(),
-            status: StatusPublisher::new(agent.client.clone()),
+            status: StatusPublisher::new(agent.client.clone(), agent.config.heartbeat),
             labels: NodeLabeler::new(agent.client.clone(), config.node_name.clone()),
             events: Events::new(Recorder::new(
                 agent.client.clone(),

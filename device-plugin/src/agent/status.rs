@@ -3,13 +3,14 @@
 //! writes.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use gpupool_crds::conditions::Observed;
 use gpupool_crds::node::{
     CdiStatus, CheckResult, GpuNode, GpuNodeStatus, GpuStatus, Health as StatusHealth, Idleness,
     MigDeviceStatus, NodeMigStatus, PodRef, Verdict,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
@@ -278,24 +279,32 @@ pub fn build_status(
         mig: inputs.mig,
         cdi: inputs.cdi,
         conditions: conditions.clone(),
+        heartbeat_time: None,
     }
 }
 
-/// Writes GpuNode status with server-side apply, only when it differs from the last status
-/// written (or, for a GpuNode not written yet, from the one the server holds).
+/// Writes GpuNode status with server-side apply when it differs from the last status written
+/// (or, for a GpuNode not written yet, from the one the server holds), and at least once per
+/// heartbeat interval even when it does not: each write carries `heartbeatTime`, by which the
+/// operator tells a live agent from a dead, hung or cut-off one.
 pub struct StatusPublisher {
     api: Api<GpuNode>,
-    /// The GpuNode's UID and the status last written to it.
+    /// The GpuNode's UID and the status last written to it (without its heartbeat).
     last_written: Option<(String, GpuNodeStatus)>,
+    /// When the last write went through.
+    last_write_at: Option<Instant>,
+    heartbeat: Duration,
     writes: u64,
 }
 
 impl StatusPublisher {
-    /// A publisher writing through `client`.
-    pub fn new(client: Client) -> StatusPublisher {
+    /// A publisher writing through `client`, stamping at least every `heartbeat`.
+    pub fn new(client: Client, heartbeat: Duration) -> StatusPublisher {
         StatusPublisher {
             api: Api::all(client),
             last_written: None,
+            last_write_at: None,
+            heartbeat,
             writes: 0,
         }
     }
@@ -305,23 +314,46 @@ impl StatusPublisher {
         self.writes
     }
 
-    /// Writes `status` to `gpunode` unless it is what the GpuNode already has. A failed write is
-    /// logged and tried again at the next report.
+    /// [`Self::publish_at`] now.
     pub async fn publish(&mut self, gpunode: &GpuNode, status: GpuNodeStatus) {
+        self.publish_at(gpunode, status, Timestamp::now(), Instant::now())
+            .await;
+    }
+
+    /// Writes `status` to `gpunode`, stamped `now`, unless it is what the GpuNode already has
+    /// and the last write is less than a heartbeat old (`mono`). A failed write is logged and
+    /// tried again at the next report.
+    pub async fn publish_at(
+        &mut self,
+        gpunode: &GpuNode,
+        mut status: GpuNodeStatus,
+        now: Timestamp,
+        mono: Instant,
+    ) {
+        status.heartbeat_time = None;
         let uid = gpunode.uid().unwrap_or_default();
         let unchanged = match &self.last_written {
             Some((u, last)) if *u == uid => *last == status,
             // First pass for this object: compare with what the server holds.
-            _ => gpunode.status.as_ref() == Some(&status),
+            _ => gpunode.status.as_ref().is_some_and(|held| {
+                let mut held = held.clone();
+                held.heartbeat_time = None;
+                held == status
+            }),
         };
-        if unchanged {
+        let heartbeat_due = self
+            .last_write_at
+            .is_none_or(|at| mono.saturating_duration_since(at) >= self.heartbeat);
+        if unchanged && !heartbeat_due {
             self.last_written = Some((uid, status));
             return;
         }
+        let mut stamped = status.clone();
+        stamped.heartbeat_time = Some(Time(now));
         let patch = json!({
             "apiVersion": "gpupool.io/v1alpha1",
             "kind": "GpuNode",
-            "status": status,
+            "status": stamped,
         });
         match self
             .api
@@ -334,8 +366,9 @@ impl StatusPublisher {
         {
             Ok(_) => {
                 self.writes += 1;
-                tracing::debug!("GpuNode status written");
+                tracing::debug!(changed = !unchanged, "GpuNode status written");
                 self.last_written = Some((uid, status));
+                self.last_write_at = Some(mono);
             }
             Err(e) => tracing::warn!(error = %e, "writing GpuNode status"),
         }
@@ -351,7 +384,6 @@ mod tests {
     use crate::plugin::{AllocateOptions, ResourceView, Topology};
     use gpupool_crds::policy::{CdiDeviceNameStrategy, MigStrategy as CrdMigStrategy};
     use gpupool_mig_catalog as catalog;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use std::sync::Arc;
 
     #[test]
@@ -576,18 +608,60 @@ mod tests {
             reply: Some(serde_json::to_value(gpunode("u1", None)).unwrap()),
         };
         let server = mock.serve(vec![apply(2), apply(1)]);
-        let mut publisher = StatusPublisher::new(client);
+        let mut publisher = StatusPublisher::new(client, Duration::from_secs(60));
         let gn = gpunode("u1", None);
         let status = status_for(&gn, &[]);
         publisher.publish(&gn, status.clone()).await;
         publisher.publish(&gn, status.clone()).await; // unchanged: no request
         let mut worse = status.clone();
         worse.healthy_gpus = 1;
-        publisher.publish(&gn, worse).await;
+        publisher.publish(&gn, worse.clone()).await;
         assert_eq!(publisher.writes(), 2);
-        // A new GpuNode (new UID) that already holds this status on the server: no write.
-        let again = gpunode("u2", Some(status.clone()));
-        publisher.publish(&again, status).await;
+        // A new GpuNode (new UID) that already holds this status on the server (with an older
+        // heartbeat): no write.
+        let mut held = worse.clone();
+        held.heartbeat_time = Some(Time(Timestamp::from_second(1_600_000_000).unwrap()));
+        let again = gpunode("u2", Some(held));
+        publisher.publish(&again, worse).await;
+        assert_eq!(publisher.writes(), 2);
+        drop(publisher);
+        server.await.unwrap();
+    }
+
+    /// An unchanged status is written again once a heartbeat interval has passed, stamped
+    /// with the time of the write; not before.
+    #[tokio::test]
+    async fn an_unchanged_status_is_stamped_every_heartbeat() {
+        use crate::agent::testing::{ApiMock, Expect};
+        let (client, mock) = ApiMock::new();
+        let stamp = |secs: i64| Expect {
+            method: "PATCH",
+            path: "/apis/gpupool.io/v1alpha1/gpunodes/node-a/status",
+            query: &["fieldManager=gpupool-agent", "force=true"],
+            status: 200,
+            check: Box::new(move |body: &serde_json::Value| {
+                let want = Timestamp::from_second(1_700_000_000 + secs)
+                    .unwrap()
+                    .to_string();
+                assert_eq!(body["status"]["heartbeatTime"], want.as_str(), "{body}");
+            }),
+            reply: Some(serde_json::to_value(gpunode("u1", None)).unwrap()),
+        };
+        let server = mock.serve(vec![stamp(0), stamp(61)]);
+        let mut publisher = StatusPublisher::new(client, Duration::from_secs(60));
+        let gn = gpunode("u1", None);
+        let status = status_for(&gn, &[]);
+        let start = Instant::now();
+        let at = |secs: u64| {
+            (
+                Timestamp::from_second(1_700_000_000 + secs as i64).unwrap(),
+                start + Duration::from_secs(secs),
+            )
+        };
+        for secs in [0, 30, 59, 61, 90] {
+            let (now, mono) = at(secs);
+            publisher.publish_at(&gn, status.clone(), now, mono).await;
+        }
         assert_eq!(publisher.writes(), 2);
         drop(publisher);
         server.await.unwrap();
@@ -651,7 +725,7 @@ mod tests {
             &mut Vec::new(),
             Timestamp::from_second(1_700_000_000).unwrap(),
         );
-        let mut publisher = StatusPublisher::new(client);
+        let mut publisher = StatusPublisher::new(client, Duration::from_secs(60));
         publisher.publish(&gn, status).await;
         drop(publisher);
         server.await.unwrap();
@@ -670,7 +744,7 @@ mod tests {
             reply: Some(serde_json::to_value(gpunode("u1", None)).unwrap()),
         };
         let server = mock.serve(vec![apply(403), apply(200)]);
-        let mut publisher = StatusPublisher::new(client);
+        let mut publisher = StatusPublisher::new(client, Duration::from_secs(60));
         let gn = gpunode("u1", None);
         let status = status_for(&gn, &[]);
         publisher.publish(&gn, status.clone()).await;
