@@ -4,6 +4,11 @@
 pub const POOL_LABEL: &str = "gpupool.io/pool";
 /// Taint key the operator sets on nodes that fail driver validation (with `onFailure: Taint`).
 pub const DRIVER_INVALID_TAINT: &str = "gpupool.io/driver-invalid";
+/// Taint key (NoSchedule) the operator sets on a node while its agent drains it for, or
+/// applies, a new MIG layout: the pods evicted for the change are not placed back on it.
+pub const MIG_RECONFIGURING_TAINT: &str = "gpupool.io/mig-reconfiguring";
+/// Every taint the operator sets, and removes when it no longer applies.
+pub const OPERATOR_TAINTS: [&str; 2] = [DRIVER_INVALID_TAINT, MIG_RECONFIGURING_TAINT];
 /// Finalizer on GpuPools.
 pub const POOL_FINALIZER: &str = "gpupool.io/cleanup";
 /// Pod annotation: since when the pod's GPUs have been idle.

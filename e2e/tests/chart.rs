@@ -409,6 +409,7 @@ async fn rendered_chart_passes_strict_server_side_validation() -> Result<()> {
             "agent.hostPaths.driverRoot=/run/nvidia/driver",
             "agent.hostPaths.cdiDir=/etc/cdi",
             "agent.admissionPolicy.enabled=false",
+            "operator.admissionPolicy.enabled=false",
             "agent.nodeSelector.pool=gpu",
             "agent.gpuNodeLabels[0].key=example.com/accelerator",
             "agent.gpuNodeLabels[0].value=nvidia",

@@ -1,6 +1,7 @@
 //! MIG drain coordination against the real control plane: while a node's agent reports
-//! `Draining`, the operator evicts the GPU pods on that node through the Eviction API (a
-//! PodDisruptionBudget holds a pod back until it allows the eviction), leaves other pods alone,
+//! `Draining`, the operator taints the node, evicts the GPU pods on the GPUs whose layout
+//! changes through the Eviction API (a PodDisruptionBudget holds a pod back until it allows
+//! the eviction), leaves other pods alone (a GPU pod on a GPU that keeps its layout too),
 //! records why on each pod, and reports the drain's progress in pool status. The test writes the
 //! GpuNode status an agent would; kwok runs the pods.
 
@@ -9,9 +10,10 @@ mod support;
 
 use anyhow::{Context, Result};
 use gpupool_crds::GpuPool;
-use gpupool_crds::node::MigState;
+use gpupool_crds::labels::MIG_RECONFIGURING_TAINT;
+use gpupool_crds::node::{GpuStatus, Idleness, MigState, PodRef};
 use gpupool_e2e::{Cluster, TestScope, crds, wait};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{DeleteParams, ListParams, PostParams};
@@ -128,6 +130,8 @@ async fn draining_node_loses_its_gpu_pods_through_evictions_that_respect_pdbs() 
     )
     .await?;
     running_gpu_pod(&client, &scope, "elsewhere", &quiet, &[], &[]).await?;
+    // On the draining node, but on a GPU whose layout stays.
+    running_gpu_pod(&client, &scope, "kept", &node, &[], &[]).await?;
     cpu_pod(&client, &scope, "cpu-only", &node).await?;
     // Let the disruption controller see the budget first (it allows no disruption of these
     // controller-less pods either way).
@@ -143,13 +147,51 @@ async fn draining_node_loses_its_gpu_pods_through_evictions_that_respect_pdbs() 
     .await?;
 
     // The agent reports Draining.
+    // The agent reports Draining for GPUs 0-6, and places `kept` on GPU 7 (the other pods it
+    // cannot place: they may be on a changing GPU, so they go).
+    let kept_on_7 = GpuStatus {
+        index: 7,
+        idleness: Idleness {
+            pods: vec![PodRef {
+                namespace: ns.to_owned(),
+                name: "kept".into(),
+                container: Some("main".into()),
+            }],
+            ..Default::default()
+        },
+        ..Default::default()
+    };
     report_status(&client, &node, |s| {
         s.mig.state = MigState::Draining;
         s.mig.reason = Some("WaitingForGPUPods".into());
-        s.mig.gpus = (0..8).collect();
+        s.mig.gpus = (0..7).collect();
+        s.gpus = vec![kept_on_7.clone()];
     })
     .await?;
 
+    // Fenced first: the node is tainted so that the evicted pods' replacements land elsewhere;
+    // the quiet node is not.
+    let nodes: Api<Node> = Api::all(client.clone());
+    let tainted = |n: &Node| {
+        n.spec
+            .as_ref()
+            .and_then(|s| s.taints.as_ref())
+            .is_some_and(|t| {
+                t.iter()
+                    .any(|t| t.key == MIG_RECONFIGURING_TAINT && t.effect == "NoSchedule")
+            })
+    };
+    wait::poll("the draining node tainted", REACT, POLL, || {
+        let nodes = nodes.clone();
+        let node = node.clone();
+        async move { Ok(tainted(&nodes.get(&node).await?).then_some(())) }
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    assert!(
+        !tainted(&nodes.get(&quiet).await?),
+        "the quiet node was tainted"
+    );
     wait_evicted(&client, ns, "free")
         .await
         .with_context(|| op.log_tail())?;
@@ -195,6 +237,7 @@ async fn draining_node_loses_its_gpu_pods_through_evictions_that_respect_pdbs() 
     for (name, what) in [
         ("cpu-only", "a pod without GPUs"),
         ("elsewhere", "a GPU pod on a node not draining"),
+        ("kept", "a GPU pod on a GPU whose layout stays"),
     ] {
         let p = pod_now(&client, ns, name)
             .await?
@@ -206,11 +249,23 @@ async fn draining_node_loses_its_gpu_pods_through_evictions_that_respect_pdbs() 
     }
 
     // The agent finishes: the pool counts the node as applied.
-    report_status(&client, &node, |s| s.mig.state = MigState::Applied).await?;
+    report_status(&client, &node, |s| {
+        s.mig.state = MigState::Applied;
+        s.gpus = vec![kept_on_7.clone()];
+    })
+    .await?;
     wait_pool(&client, &pool, "MIG applied on both nodes", |p| {
         p.status
             .as_ref()
             .is_some_and(|s| s.mig.applied == 2 && s.mig.pending == 0)
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    // And the fence comes down.
+    wait::poll("the taint removed once applied", REACT, POLL, || {
+        let nodes = nodes.clone();
+        let node = node.clone();
+        async move { Ok((!tainted(&nodes.get(&node).await?)).then_some(())) }
     })
     .await
     .with_context(|| op.log_tail())?;

@@ -234,6 +234,20 @@ async fn overlapping_pools_conflict_and_the_older_keeps_the_nodes() -> Result<()
         "{conflict}"
     );
     assert_eq!(condition(&pool, "Ready").as_deref(), Some("False"));
+    // The pool that keeps the node says so too.
+    let holder = wait_pool(&client, &old, "old pool reports the overlap", |p| {
+        condition(p, "Conflict").as_deref() == Some("True")
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    let held = holder
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Conflict"))
+        .map(|c| (c.reason.clone(), c.message.clone()))
+        .unwrap_or_default();
+    assert_eq!(held.0, "OtherPoolsMatchNodesHere", "{held:?}");
+    assert!(held.1.contains(&young) && held.1.contains(&b), "{held:?}");
     let gn_b: Api<GpuNode> = Api::all(client.clone());
     assert_eq!(
         owner_name(&gn_b.get(&b).await?).as_deref(),
@@ -253,6 +267,113 @@ async fn overlapping_pools_conflict_and_the_older_keeps_the_nodes() -> Result<()
     .await?;
     wait_gpunode_gone(&client, &a).await?;
     delete_pool(&client, &young).await?;
+    wait_gpunode_gone(&client, &b).await?;
+    Ok(())
+}
+
+/// An older pool whose selector widens over a node a younger pool holds does not take it (no
+/// new layout, no drain of running jobs): the holder keeps it and both pools report the overlap.
+#[tokio::test]
+async fn a_widened_older_selector_does_not_take_a_held_node() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let scope = TestScope::new(cluster, "op-widen")?;
+    let client = cluster.client().await?;
+    let a = create_node(
+        cluster,
+        &scope,
+        &scope.name("a"),
+        "NVIDIA-A100-SXM4-80GB",
+        &[(ROLE, "x")],
+    )?;
+    let b = create_node(
+        cluster,
+        &scope,
+        &scope.name("b"),
+        "NVIDIA-A100-SXM4-80GB",
+        &[(ROLE, "y")],
+    )?;
+    let op = Operator::start(cluster, &scope, "only", &scope.name("lease"))?;
+    let (k, v) = scope.label();
+    let old = scope.name("p1-old");
+    let young = scope.name("p2-young");
+    apply_pool(
+        &client,
+        &scope,
+        &old,
+        json!({ "nodeSelector": { "matchLabels": { k: v, ROLE: "x" } } }),
+    )
+    .await?;
+    wait_gpunode(&client, &a, |g| {
+        owner_name(g).as_deref() == Some(old.as_str())
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    apply_pool(
+        &client,
+        &scope,
+        &young,
+        json!({ "nodeSelector": { "matchLabels": { k: v, ROLE: "y" } } }),
+    )
+    .await?;
+    wait_gpunode(&client, &b, |g| {
+        owner_name(g).as_deref() == Some(young.as_str())
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    wait_pool_label(&client, &b, Some(&young)).await?;
+
+    // The older pool widens over both nodes.
+    apply_pool(
+        &client,
+        &scope,
+        &old,
+        json!({ "nodeSelector": { "matchLabels": { k: v } } }),
+    )
+    .await?;
+    let reason = |p: &GpuPool| {
+        p.status
+            .as_ref()
+            .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Conflict"))
+            .filter(|c| c.status == "True")
+            .map(|c| c.reason.clone())
+    };
+    wait_pool(
+        &client,
+        &old,
+        "the widened pool reports b held elsewhere",
+        |p| reason(p).as_deref() == Some("NodesHeldByOtherPools"),
+    )
+    .await
+    .with_context(|| op.log_tail())?;
+    wait_pool(&client, &young, "the holder reports the overlap", |p| {
+        reason(p).as_deref() == Some("OtherPoolsMatchNodesHere")
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    // Several reconciles later b is still the younger pool's.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let gn: Api<GpuNode> = Api::all(client.clone());
+    assert_eq!(
+        owner_name(&gn.get(&b).await?).as_deref(),
+        Some(young.as_str())
+    );
+    assert_eq!(
+        node_labels(&client, &b)
+            .await?
+            .get(POOL_LABEL)
+            .map(String::as_str),
+        Some(young.as_str())
+    );
+    delete_pool(&client, &young).await?;
+    // Released, b goes to the pool that matches it.
+    wait_gpunode(&client, &b, |g| {
+        owner_name(g).as_deref() == Some(old.as_str())
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    delete_pool(&client, &old).await?;
+    wait_gpunode_gone(&client, &a).await?;
     wait_gpunode_gone(&client, &b).await?;
     Ok(())
 }

@@ -45,6 +45,17 @@ impl Operator {
         identity: &str,
         lease: &str,
     ) -> Result<Self> {
+        Self::start_with(cluster, scope, identity, lease, &[])
+    }
+
+    /// [`Operator::start`] with more flags.
+    pub fn start_with(
+        cluster: &Cluster,
+        scope: &TestScope,
+        identity: &str,
+        lease: &str,
+        extra: &[&str],
+    ) -> Result<Self> {
         let bin = operator_binary()?;
         let log = repo_root()
             .join("target/e2e-tests")
@@ -75,6 +86,7 @@ impl Operator {
                 "--log",
                 "info,gpupool_operator=debug",
             ])
+            .args(extra)
             .env("KUBECONFIG", cluster.kubeconfig())
             .stdin(Stdio::null())
             .stdout(out)

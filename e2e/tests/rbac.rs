@@ -373,6 +373,136 @@ async fn operator_and_agent_work_as_the_charts_service_accounts() -> Result<()> 
         "{}",
         run.stderr
     );
+    // Nor the rest of its Node's metadata.
+    let run = as_agent.try_run(
+        [
+            "annotate",
+            "node",
+            &node,
+            "--overwrite",
+            "example.com/owner=agent",
+        ],
+        None,
+    )?;
+    ensure!(!run.success, "the agent annotated its Node");
+    assert!(
+        run.stderr
+            .contains("may not change its Node's annotations, finalizers or owner references"),
+        "{}",
+        run.stderr
+    );
+    let run = as_agent.try_run(
+        [
+            "patch",
+            "node",
+            &node,
+            "--type=merge",
+            "-p",
+            r#"{"metadata":{"finalizers":["example.com/hold"]}}"#,
+        ],
+        None,
+    )?;
+    ensure!(!run.success, "the agent put a finalizer on its Node");
+    assert!(
+        run.stderr.contains("may not change its Node's annotations"),
+        "{}",
+        run.stderr
+    );
+    // The operator's token may annotate pods only under gpupool.io/ (its reclaim marks), and
+    // may not touch what a pod runs: RBAC grants `pods: patch`, the chart's admission policy
+    // narrows it.
+    let as_operator = gpupool_e2e::Kubectl::new(cluster.kubectl_path(), &op_kc);
+    let agent_ns = release.agent_namespace.as_str();
+    let target = pod.as_str();
+    as_operator.run([
+        "annotate",
+        "pod",
+        "-n",
+        agent_ns,
+        target,
+        "--overwrite",
+        "gpupool.io/idle-since=2026-01-01T00:00:00Z",
+    ])?;
+    for (what, args) in [
+        (
+            "another annotation",
+            vec!["annotate", "pod", "-n", agent_ns, target, "example.com/x=1"],
+        ),
+        (
+            "a label",
+            vec!["label", "pod", "-n", agent_ns, target, "example.com/x=1"],
+        ),
+        (
+            "the image",
+            vec![
+                "patch",
+                "pod",
+                "-n",
+                agent_ns,
+                target,
+                "--type=json",
+                "-p",
+                r#"[{"op":"replace","path":"/spec/containers/0/image","value":"example.com/evil:1"}]"#,
+            ],
+        ),
+    ] {
+        let run = as_operator.try_run(args, None)?;
+        ensure!(!run.success, "the operator's token changed {what} on a pod");
+        assert!(
+            run.stderr
+                .contains("the gpupool operator may change only gpupool.io/ annotations on a pod"),
+            "{what}: {}",
+            run.stderr
+        );
+    }
+    // And on Jobs it may only suspend them (reclaim.action Suspend/Auto).
+    let job = scope.name("job");
+    cluster.kubectl().run_with_stdin(
+        ["apply", "-f", "-"],
+        Some(
+            &json!({
+                "apiVersion": "batch/v1", "kind": "Job",
+                "metadata": {"name": job, "namespace": scope.namespace()},
+                "spec": {"suspend": true, "template": {"spec": {
+                    "restartPolicy": "Never",
+                    "containers": [{"name": "main", "image": "example.com/train:1"}],
+                }}},
+            })
+            .to_string(),
+        ),
+    )?;
+    let patch_job = |body: &str| {
+        as_operator.try_run(
+            [
+                "patch",
+                "job",
+                "-n",
+                scope.namespace(),
+                &job,
+                "--type=merge",
+                "-p",
+                body,
+            ],
+            None,
+        )
+    };
+    let run = patch_job(r#"{"spec":{"suspend":true}}"#)?;
+    ensure!(
+        run.success,
+        "the operator could not suspend a Job: {}",
+        run.stderr
+    );
+    let run = patch_job(r#"{"spec":{"parallelism":4}}"#)?;
+    ensure!(
+        !run.success,
+        "the operator's token changed a Job's parallelism"
+    );
+    assert!(
+        run.stderr
+            .contains("the gpupool operator may only suspend a Job"),
+        "{}",
+        run.stderr
+    );
     let run = as_agent.try_run(["delete", "gpunode", &node, "--wait=false"], None)?;
     ensure!(!run.success, "the agent deleted its GpuNode");
     assert!(

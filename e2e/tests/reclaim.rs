@@ -102,6 +102,17 @@ async fn setup(
     client: &Client,
     reclaim: serde_json::Value,
 ) -> Result<(String, String, Operator)> {
+    setup_with(cluster, scope, client, reclaim, &[]).await
+}
+
+/// [`setup`] with more operator flags.
+async fn setup_with(
+    cluster: &'static Cluster,
+    scope: &TestScope,
+    client: &Client,
+    reclaim: serde_json::Value,
+    operator_flags: &[&str],
+) -> Result<(String, String, Operator)> {
     crds::install(cluster).await?;
     let node = create_node(
         cluster,
@@ -110,7 +121,7 @@ async fn setup(
         "NVIDIA-H100-80GB-HBM3",
         &[],
     )?;
-    let op = Operator::start(cluster, scope, "only", &scope.name("lease"))?;
+    let op = Operator::start_with(cluster, scope, "only", &scope.name("lease"), operator_flags)?;
     let pool = scope.name("pool");
     apply_pool(client, scope, &pool, reclaim_spec(scope, reclaim)).await?;
     wait_gpunode(client, &node, |_| true)
@@ -210,6 +221,92 @@ async fn idle_pods_are_warned_then_evicted_at_the_deadline() -> Result<()> {
     .await?;
     let h = p.status.map(|s| s.reclaim.history).unwrap_or_default();
     assert_eq!(h.len(), 1, "{h:?}");
+    delete_pool(&client, &pool).await?;
+    Ok(())
+}
+
+/// A fault the reclaimer must survive: the agent falls silent. The node's status still says
+/// the pod's GPU has been idle for an hour, but with no heartbeat for longer than the operator's
+/// limit the report is stale: the pool says so (`AgentStale`, not Ready, no healthy GPU) and
+/// the pod is neither warned nor evicted. One fresh heartbeat and the same report is acted on.
+#[tokio::test]
+async fn a_silent_agent_holds_reclaim_and_its_pool_says_so() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "reclaim-stale")?;
+    let client = cluster.client().await?;
+    let stale_after = 10;
+    let (node, pool, op) = setup_with(
+        cluster,
+        &scope,
+        &client,
+        json!({}),
+        &["--agent-stale-secs", &stale_after.to_string()],
+    )
+    .await?;
+    let ns = scope.namespace();
+    let pod = running_gpu_pod(&client, &scope, "quiet", &node, &[], &[]).await?;
+    // Reports without a heartbeat never count as one: the agent last spoke when the GpuNode
+    // appeared.
+    report_gpus(&client, &node, &[(&pod, Seen::Busy)]).await?;
+    let stale = wait_pool(&client, &pool, "the node's agent stale", |p| {
+        p.status.as_ref().is_some_and(|s| {
+            s.problems
+                .iter()
+                .any(|pr| pr.node == node && pr.reason == "AgentStale")
+        })
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    let st = stale.status.clone().unwrap_or_default();
+    assert_eq!(condition(&stale, "Ready").as_deref(), Some("False"));
+    assert_eq!((st.gpus.total, st.gpus.healthy), (8, 0), "{:?}", st.gpus);
+
+    // Idle for an hour, by a report nobody vouches for: held, over many reclaim passes.
+    report_gpus(&client, &node, &[(&pod, Seen::Idle)]).await?;
+    tokio::time::sleep(std::time::Duration::from_secs(8)).await;
+    let now = pod_now(&client, ns, "quiet")
+        .await?
+        .context("the pod went while its agent was silent")?;
+    assert!(
+        !warned(&now),
+        "warned on stale data: {:?}",
+        now.annotations()
+    );
+    assert!(history(&client, &pool).await?.is_empty());
+
+    // Heartbeats again, as a live agent writes them: the same report now stands, and the pod
+    // is warned and then evicted.
+    // (The same idleSince every time, as an agent keeps it: a new one restarts the warning.)
+    let idle = gpu(0, &pod, Seen::Idle);
+    let beating = {
+        let (client, node) = (client.clone(), node.clone());
+        tokio::spawn(async move {
+            loop {
+                let beat = report_status(&client, &node, |s| {
+                    s.gpus = vec![idle.clone()];
+                    s.heartbeat_time = Some(Time(Timestamp::now()));
+                })
+                .await;
+                if let Err(e) = beat {
+                    eprintln!("e2e: heartbeat: {e:#}");
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+            }
+        })
+    };
+    let revived = wait_pool(&client, &pool, "fresh again", |p| {
+        condition(p, "Ready").as_deref() == Some("True")
+    })
+    .await;
+    let acted = match revived {
+        Ok(_) => match wait_warned(&client, ns, "quiet").await {
+            Ok(_) => wait_evicted(&client, ns, "quiet").await,
+            Err(e) => Err(e),
+        },
+        Err(e) => Err(e),
+    };
+    beating.abort();
+    acted.with_context(|| op.log_tail())?;
     delete_pool(&client, &pool).await?;
     Ok(())
 }

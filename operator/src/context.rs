@@ -79,7 +79,7 @@ pub struct Context {
     pub settings: Settings,
     /// Consecutive failures per pool, for the capped error backoff.
     pub failures: Mutex<HashMap<String, u32>>,
-    /// Per-pod eviction retry state: attempts and when to try next.
+    /// Per-pod retry state of blocked or failed reclaim actions: attempts and when to try next.
     pub evict_retry: Mutex<HashMap<String, (u32, Timestamp)>>,
     /// The agents' heartbeats as the GpuNode watch delivers them.
     pub liveness: Arc<Liveness>,

@@ -8,9 +8,8 @@ use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt, future, stream};
 use gpupool_crds::conditions::{Observed, condition};
-use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
-use gpupool_crds::node::Verdict;
-use gpupool_crds::policy::{OnFailure, ReclaimMode};
+use gpupool_crds::labels::{OPERATOR_TAINTS, POOL_FINALIZER, POOL_LABEL};
+use gpupool_crds::policy::ReclaimMode;
 use gpupool_crds::{GpuNode, GpuPool, GpuPoolStatus};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Taint};
 use k8s_openapi::jiff::Timestamp;
@@ -192,12 +191,18 @@ pub(crate) fn owned_by(gn: &GpuNode, pool: &GpuPool) -> bool {
         .any(|o| Some(&o.uid) == uid.as_ref())
 }
 
-/// Whether `node` carries the driver taint.
-pub(crate) fn has_taint(node: &Node) -> bool {
-    node.spec
+/// The operator's taints `node` carries.
+pub(crate) fn operator_taints(node: &Node) -> BTreeSet<&'static str> {
+    let keys: BTreeSet<&str> = node
+        .spec
         .as_ref()
         .and_then(|s| s.taints.as_ref())
-        .is_some_and(|t| t.iter().any(|t| t.key == DRIVER_INVALID_TAINT))
+        .map(|t| t.iter().map(|t| t.key.as_str()).collect())
+        .unwrap_or_default();
+    OPERATOR_TAINTS
+        .into_iter()
+        .filter(|k| keys.contains(k))
+        .collect()
 }
 
 /// The reconcile of a live pool.
@@ -333,19 +338,22 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
         if !is_member && !labelled_ours {
             continue;
         }
-        let want_taint = is_member
-            && pool.spec.driver.on_failure == OnFailure::Taint
-            && gpunodes
-                .get(&node_name)
-                .and_then(|g| g.status.as_ref())
-                .and_then(|s| s.validated)
-                == Some(Verdict::False);
-        // Only the operator sets this taint, so a node that leaves the pool loses it.
-        node_writes.push((node.clone(), is_member.then(|| name.clone()), want_taint));
+        // Only the operator sets these taints, so a node that leaves the pool loses them.
+        // Owned keys: a borrowed set in this async pipeline trips a higher-ranked lifetime
+        // limitation of the compiler.
+        let want: BTreeSet<String> = if is_member {
+            pool::node_taints(pool, gpunodes.get(&node_name).map(Arc::as_ref))
+                .into_iter()
+                .map(str::to_owned)
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
+        node_writes.push((node.clone(), is_member.then(|| name.clone()), want));
     }
     let synced: Vec<Result<()>> = stream::iter(node_writes)
-        .map(|(node, pool_name, taint)| async move {
-            sync_node(&node, pool_name.as_deref(), taint, ctx).await
+        .map(|(node, pool_name, want)| async move {
+            sync_node(&node, pool_name.as_deref(), &want, ctx).await
         })
         .buffer_unordered(WRITE_CONCURRENCY)
         .collect()
@@ -429,12 +437,19 @@ async fn delete_gpunode(api: &Api<GpuNode>, name: &str, ctx: &Context) -> Result
     }
 }
 
-/// Sets the pool label (or removes it with `None`) and the driver taint, in one patch, only
-/// when something differs.
-async fn sync_node(node: &Node, pool: Option<&str>, want_taint: bool, ctx: &Context) -> Result<()> {
+/// Sets the pool label (or removes it with `None`) and the operator's taints (exactly `want`),
+/// in one patch, only when something differs.
+async fn sync_node(
+    node: &Node,
+    pool: Option<&str>,
+    want: &BTreeSet<String>,
+    ctx: &Context,
+) -> Result<()> {
     let node_name = node.name_any();
     let label_ok = node.labels().get(POOL_LABEL).map(String::as_str) == pool;
-    let taint_ok = has_taint(node) == want_taint;
+    let taint_ok = operator_taints(node)
+        .into_iter()
+        .eq(want.iter().map(String::as_str));
     if label_ok && taint_ok {
         return Ok(());
     }
@@ -446,11 +461,11 @@ async fn sync_node(node: &Node, pool: Option<&str>, want_taint: bool, ctx: &Cont
             .and_then(|s| s.taints.clone())
             .unwrap_or_default()
             .into_iter()
-            .filter(|t| t.key != DRIVER_INVALID_TAINT)
+            .filter(|t| !OPERATOR_TAINTS.contains(&t.key.as_str()))
             .collect();
-        if want_taint {
+        for key in want {
             taints.push(Taint {
-                key: DRIVER_INVALID_TAINT.into(),
+                key: key.clone(),
                 effect: "NoSchedule".into(),
                 value: None,
                 time_added: None,
@@ -553,7 +568,7 @@ async fn cleanup(pool: &GpuPool, ctx: &Context) -> Result<Action> {
     }
     for node in ctx.nodes.state() {
         if node.labels().get(POOL_LABEL) == Some(&name) {
-            sync_node(&node, None, false, ctx).await?;
+            sync_node(&node, None, &BTreeSet::new(), ctx).await?;
         }
     }
     reclaim_run::unwarn_all(pool, ctx).await;

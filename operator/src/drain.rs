@@ -1,5 +1,8 @@
-//! MIG drain coordination: while a node's agent reports `Draining`, the GPU pods on it are
-//! evicted through the Eviction API (PodDisruptionBudgets apply), each with an Event saying why.
+//! MIG drain coordination: while a node's agent reports `Draining`, the GPU pods on the GPUs
+//! whose layout changes are evicted through the Eviction API (PodDisruptionBudgets apply),
+//! each with an Event saying why.
+
+use std::collections::{BTreeMap, BTreeSet};
 
 use gpupool_crds::node::MigState;
 use gpupool_crds::{GpuNode, GpuPool};
@@ -14,10 +17,20 @@ use crate::context::Context;
 use crate::demand::requests_gpu;
 use crate::error::{Failures, api_code};
 
-/// The GPU pods still to leave a node (pure over the pods given).
-pub fn pods_to_drain<'a>(node: &str, pods: impl IntoIterator<Item = &'a Pod>) -> Vec<&'a Pod> {
+/// The GPU pods still to leave a node: those the agent reports on a GPU whose layout changes
+/// (`status.mig.gpus`), and those it cannot place on any GPU (they may be on one). A pod the
+/// agent places only on GPUs that keep their layout stays. Without a list of changing GPUs,
+/// every GPU pod on the node goes. Pure over the GpuNode and pods given.
+pub fn pods_to_drain<'a>(gn: &GpuNode, pods: impl IntoIterator<Item = &'a Pod>) -> Vec<&'a Pod> {
+    let node = gn.name_any();
+    let placed = placements(gn);
+    let changing: BTreeSet<u32> = gn
+        .status
+        .as_ref()
+        .map(|s| s.mig.gpus.iter().copied().collect())
+        .unwrap_or_default();
     pods.into_iter()
-        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node))
+        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node.as_str()))
         .filter(|p| {
             !matches!(
                 p.status.as_ref().and_then(|s| s.phase.as_deref()),
@@ -25,7 +38,33 @@ pub fn pods_to_drain<'a>(node: &str, pods: impl IntoIterator<Item = &'a Pod>) ->
             )
         })
         .filter(|p| requests_gpu(p))
+        .filter(|p| {
+            let key = (p.namespace().unwrap_or_default(), p.name_any());
+            match placed.get(&key) {
+                Some(gpus) if !changing.is_empty() => !gpus.is_disjoint(&changing),
+                _ => true,
+            }
+        })
         .collect()
+}
+
+/// The GPU indices each pod holds on the node (its whole GPU or a MIG device on it), as the
+/// agent reports them.
+fn placements(gn: &GpuNode) -> BTreeMap<(String, String), BTreeSet<u32>> {
+    let mut out: BTreeMap<(String, String), BTreeSet<u32>> = BTreeMap::new();
+    for gpu in gn.status.iter().flat_map(|s| s.gpus.iter()) {
+        let holders = gpu
+            .idleness
+            .pods
+            .iter()
+            .chain(gpu.mig_devices.iter().flat_map(|m| m.idleness.pods.iter()));
+        for p in holders {
+            out.entry((p.namespace.clone(), p.name.clone()))
+                .or_default()
+                .insert(gpu.index);
+        }
+    }
+    out
 }
 
 /// Evicts the GPU pods of draining nodes; returns how many are still to go. Evictions the API
@@ -37,22 +76,23 @@ pub async fn run(
     _now: Timestamp,
     failures: &mut Failures,
 ) -> u32 {
-    let draining: Vec<String> = gpunodes
+    let draining: Vec<&GpuNode> = gpunodes
         .iter()
+        .copied()
         .filter(|g| {
             g.status
                 .as_ref()
                 .is_some_and(|s| s.mig.state == MigState::Draining)
         })
-        .map(|g| g.name_any())
         .collect();
     if draining.is_empty() {
         return 0;
     }
     let all = ctx.pods.state();
     let mut remaining = 0u32;
-    for node in &draining {
-        for pod in pods_to_drain(node, all.iter().map(|p| p.as_ref())) {
+    for gn in draining {
+        let node = &gn.name_any();
+        for pod in pods_to_drain(gn, all.iter().map(|p| p.as_ref())) {
             remaining += 1;
             if pod.metadata.deletion_timestamp.is_some() {
                 continue;
@@ -123,6 +163,11 @@ mod tests {
 
     fn pod(node: &str, resource: Option<&str>, phase: &str) -> Pod {
         Pod {
+            metadata: kube::api::ObjectMeta {
+                namespace: Some("ml".into()),
+                name: Some(format!("{node}-{}-{phase}", resource.unwrap_or("none"))),
+                ..Default::default()
+            },
             spec: Some(PodSpec {
                 node_name: Some(node.into()),
                 containers: vec![Container {
@@ -138,8 +183,49 @@ mod tests {
                 phase: Some(phase.into()),
                 ..Default::default()
             }),
-            ..Default::default()
         }
+    }
+
+    fn gpunode(changing: &[u32], placed: &[(u32, &Pod)]) -> GpuNode {
+        use gpupool_crds::node::{GpuNodeStatus, GpuStatus, Idleness, NodeMigStatus, PodRef};
+        let mut gn = GpuNode::new(
+            "n1",
+            gpupool_crds::GpuNodeSpec {
+                pool: "p".into(),
+                driver: Default::default(),
+                cdi: Default::default(),
+                mig: Default::default(),
+                utilization: Default::default(),
+            },
+        );
+        let gpus = (0..8)
+            .map(|index| GpuStatus {
+                index,
+                idleness: Idleness {
+                    pods: placed
+                        .iter()
+                        .filter(|(i, _)| *i == index)
+                        .map(|(_, p)| PodRef {
+                            namespace: p.namespace().unwrap_or_default(),
+                            name: p.name_any(),
+                            container: None,
+                        })
+                        .collect(),
+                    ..Default::default()
+                },
+                ..Default::default()
+            })
+            .collect();
+        gn.status = Some(GpuNodeStatus {
+            gpus,
+            mig: NodeMigStatus {
+                state: MigState::Draining,
+                gpus: changing.to_vec(),
+                ..Default::default()
+            },
+            ..Default::default()
+        });
+        gn
     }
 
     #[test]
@@ -152,6 +238,23 @@ mod tests {
             pod("n1", Some("nvidia.com/gpu"), "Succeeded"),
             pod("n2", Some("nvidia.com/gpu"), "Running"),
         ];
-        assert_eq!(pods_to_drain("n1", pods.iter()).len(), 2);
+        // No list of changing GPUs: every GPU pod that still runs goes.
+        assert_eq!(pods_to_drain(&gpunode(&[], &[]), pods.iter()).len(), 2);
+    }
+
+    #[test]
+    fn only_pods_on_the_changing_gpus_or_unplaced_go() {
+        let on_changing = pod("n1", Some("nvidia.com/gpu"), "Running");
+        let mut on_kept = pod("n1", Some("nvidia.com/gpu"), "Running");
+        on_kept.metadata.name = Some("kept".into());
+        let mut unplaced = pod("n1", Some("nvidia.com/gpu"), "Running");
+        unplaced.metadata.name = Some("unplaced".into());
+        let gn = gpunode(&[0, 1], &[(1, &on_changing), (5, &on_kept)]);
+        let pods = [on_changing.clone(), on_kept.clone(), unplaced.clone()];
+        let names: Vec<String> = pods_to_drain(&gn, pods.iter())
+            .iter()
+            .map(|p| p.name_any())
+            .collect();
+        assert_eq!(names, [on_changing.name_any(), "unplaced".to_owned()]);
     }
 }

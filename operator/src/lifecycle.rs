@@ -13,7 +13,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
+use gpupool_crds::labels::{OPERATOR_TAINTS, POOL_FINALIZER, POOL_LABEL};
 use gpupool_crds::{GpuNode, GpuPool};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
@@ -21,7 +21,7 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use tracing::{info, warn};
 
-use crate::controller::{has_taint, owned_by};
+use crate::controller::{operator_taints, owned_by};
 use crate::error::{Error, api_code};
 
 /// Prefix of every label gpupool puts on Nodes (the operator's and the agents').
@@ -249,7 +249,7 @@ async fn marked_nodes(nodes: &Api<Node>) -> Result<Vec<Node>, Error> {
 
 /// Whether `node` carries anything of gpupool's.
 pub fn is_marked(node: &Node) -> bool {
-    node.labels().keys().any(|k| k.starts_with(LABEL_PREFIX)) || has_taint(node)
+    node.labels().keys().any(|k| k.starts_with(LABEL_PREFIX)) || !operator_taints(node).is_empty()
 }
 
 /// The merge patch that takes gpupool's labels and taint off `node` (`None`: nothing to do).
@@ -265,10 +265,10 @@ pub fn cleaning_patch(node: &Node) -> Option<serde_json::Value> {
         .collect();
     let mut patch = json!({"metadata": {"labels": labels}});
     let taints = node.spec.as_ref().and_then(|s| s.taints.as_ref());
-    if let Some(taints) = taints.filter(|_| has_taint(node)) {
+    if let Some(taints) = taints.filter(|_| !operator_taints(node).is_empty()) {
         let kept: Vec<_> = taints
             .iter()
-            .filter(|t| t.key != DRIVER_INVALID_TAINT)
+            .filter(|t| !OPERATOR_TAINTS.contains(&t.key.as_str()))
             .collect();
         patch["spec"] = json!({ "taints": kept });
     }
@@ -319,6 +319,7 @@ pub async fn apply_pool(client: Client, pool: &serde_json::Value) -> Result<GpuP
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpupool_crds::labels::{DRIVER_INVALID_TAINT, MIG_RECONFIGURING_TAINT};
     use k8s_openapi::api::core::v1::{NodeSpec, Taint};
 
     fn node(labels: &[(&str, &str)], taints: &[&str]) -> Node {
@@ -355,7 +356,7 @@ mod tests {
                 ("nvidia.com/gpu.present", "true"),
                 ("gpupool.iox/other", "kept"),
             ],
-            &[DRIVER_INVALID_TAINT, "dedicated"],
+            &[DRIVER_INVALID_TAINT, "dedicated", MIG_RECONFIGURING_TAINT],
         );
         let patch = cleaning_patch(&n).unwrap();
         assert_eq!(
@@ -368,8 +369,10 @@ mod tests {
         // Labels only: the taints are not touched.
         let patch = cleaning_patch(&node(&[("gpupool.io/pool", "a")], &["dedicated"])).unwrap();
         assert!(patch.get("spec").is_none(), "{patch}");
-        // The taint only.
+        // A taint only.
         let patch = cleaning_patch(&node(&[], &[DRIVER_INVALID_TAINT])).unwrap();
+        assert_eq!(patch["spec"]["taints"], json!([]));
+        let patch = cleaning_patch(&node(&[], &[MIG_RECONFIGURING_TAINT])).unwrap();
         assert_eq!(patch["spec"]["taints"], json!([]));
         // Nothing of ours: nothing to do.
         assert_eq!(

@@ -62,9 +62,10 @@ struct Args {
     pool_selector: Option<String>,
     /// Seconds without a new heartbeat from a node's agent (agents write one at least every
     /// 60 s) after which its report is stale: the node is not ready, its GPUs are not counted
-    /// healthy and nothing is reclaimed on it. At least 120.
+    /// healthy and nothing is reclaimed on it. At least 10; keep it a few times the agents'
+    /// `--heartbeat-secs`.
     #[arg(long, env = "GPUPOOL_AGENT_STALE_SECS", default_value_t = 180,
-        value_parser = clap::value_parser!(u64).range(120..))]
+        value_parser = clap::value_parser!(u64).range(10..))]
     agent_stale_secs: u64,
     /// Seconds to wait for the CRDs to be Established at start.
     #[arg(long, env = "GPUPOOL_CRD_TIMEOUT", default_value_t = 60)]

@@ -4,10 +4,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpupool_crds::conditions::{Observed, condition, set_condition};
-use gpupool_crds::labels::POOL_LABEL;
+use gpupool_crds::labels::{DRIVER_INVALID_TAINT, MIG_RECONFIGURING_TAINT, POOL_LABEL};
 use gpupool_crds::node::{
     CDI_SPEC_READY, GpuNode, GpuNodeSpec, Health, MigState, UtilizationSpec, Verdict,
 };
+use gpupool_crds::policy::OnFailure;
 use gpupool_crds::pool::{
     DriverVersionCount, GpuCounts, GpuPool, GpuPoolStatus, MigProgress, NodeProblem, ReclaimStatus,
 };
@@ -70,6 +71,24 @@ fn age_key(pool: &GpuPool) -> (Option<Timestamp>, String) {
         .map(|t| t.0)
         .or(Some(Timestamp::MAX));
     (created, pool.name_any())
+}
+
+/// The operator's taints a member node of `pool` should carry, from its GpuNode:
+/// [`DRIVER_INVALID_TAINT`] while the driver checks fail and the pool says `onFailure: Taint`;
+/// [`MIG_RECONFIGURING_TAINT`] while the agent drains the node for, or applies, a new MIG
+/// layout, so the pods evicted for it are scheduled elsewhere and not back onto the node.
+pub fn node_taints(pool: &GpuPool, gn: Option<&GpuNode>) -> BTreeSet<&'static str> {
+    let status = gn.and_then(|g| g.status.as_ref());
+    let mut taints = BTreeSet::new();
+    if pool.spec.driver.on_failure == OnFailure::Taint
+        && status.and_then(|s| s.validated) == Some(Verdict::False)
+    {
+        taints.insert(DRIVER_INVALID_TAINT);
+    }
+    if status.is_some_and(|s| matches!(s.mig.state, MigState::Draining | MigState::Applying)) {
+        taints.insert(MIG_RECONFIGURING_TAINT);
+    }
+    taints
 }
 
 /// The GpuNode a node of `pool` should have, and a layout problem if the pool's MIG layout
@@ -1162,6 +1181,40 @@ pub(crate) mod tests {
             st.problems[0].message.contains("keeps it"),
             "{:?}",
             st.problems
+        );
+    }
+
+    #[test]
+    fn nodes_are_tainted_while_their_driver_fails_or_their_mig_layout_changes() {
+        let mut p = pool("train", "2026-01-01T00:00:00Z", &[]);
+        let gn = ready_gpunode(&p, "n1");
+        assert!(node_taints(&p, Some(&gn)).is_empty());
+        assert!(node_taints(&p, None).is_empty());
+        for (state, tainted) in [
+            (MigState::Draining, true),
+            (MigState::Applying, true),
+            (MigState::Applied, false),
+            (MigState::Failed, false),
+            (MigState::Idle, false),
+        ] {
+            let mut g = gn.clone();
+            g.status.as_mut().unwrap().mig.state = state;
+            assert_eq!(
+                node_taints(&p, Some(&g)).contains(MIG_RECONFIGURING_TAINT),
+                tainted,
+                "{state:?}"
+            );
+        }
+        let mut failing = gn.clone();
+        failing.status.as_mut().unwrap().validated = Some(Verdict::False);
+        assert!(
+            node_taints(&p, Some(&failing)).is_empty(),
+            "onFailure defaults to not tainting"
+        );
+        p.spec.driver.on_failure = OnFailure::Taint;
+        assert_eq!(
+            node_taints(&p, Some(&failing)),
+            BTreeSet::from([DRIVER_INVALID_TAINT])
         );
     }
 

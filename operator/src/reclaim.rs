@@ -347,9 +347,10 @@ pub fn rate_allows(status: &ReclaimStatus, policy: &ReclaimPolicy, now: Timestam
 
 /// Adds an action to the history (newest first, bounded) and the counters.
 ///
-/// Entries the rate limit does not count (`BlockedByPDB`) never push counted ones out: a pod
-/// keeps only its latest blocked entry, and the oldest uncounted entries go first when the
-/// history is full, so a PDB blocking many pods cannot make the limit forget its actions.
+/// Entries the rate limit does not count (`BlockedByPDB`, `Failed`) never push counted ones
+/// out: a pod keeps only its latest uncounted entry per action, and the oldest uncounted
+/// entries go first when the history is full, so a PDB blocking many pods, or an API server
+/// failing every eviction, cannot make the limit forget its actions.
 pub fn record(status: &mut ReclaimStatus, entry: ReclaimRecord) {
     if entry.result == "Succeeded" {
         status.reclaimed += 1;
@@ -371,9 +372,10 @@ pub fn record(status: &mut ReclaimStatus, entry: ReclaimRecord) {
     }
 }
 
-/// Whether the rate limit counts a history entry.
+/// Whether the rate limit counts a history entry: an action that disrupted a pod (or, in a dry
+/// run, would have). A blocked or failed attempt disrupted nothing and spends no budget.
 fn counted(entry: &ReclaimRecord) -> bool {
-    entry.result != "BlockedByPDB"
+    matches!(entry.result.as_str(), "Succeeded" | "WouldSucceed")
 }
 
 /// A history entry.
@@ -896,10 +898,24 @@ mod tests {
         );
         assert!(!rate_allows(&st, &p, now));
         assert_eq!(st.reclaimed, 3);
+        // Thirty failed attempts (an API server answering 500): no budget spent, one entry.
+        let mut failing = st.clone();
+        failing
+            .history
+            .retain(|e| e.time.0 < ts("2026-03-01T11:58:00Z"));
+        assert!(rate_allows(&failing, &p, now));
         for _ in 0..30 {
-            record(&mut st, entry(&pd, None, "Evict", "Failed", now));
+            record(&mut failing, entry(&pd, None, "Evict", "Failed", now));
         }
-        assert_eq!(st.history.len(), MAX_HISTORY);
+        assert!(rate_allows(&failing, &p, now), "failures spend no budget");
+        assert_eq!(
+            failing
+                .history
+                .iter()
+                .filter(|e| e.result == "Failed")
+                .count(),
+            1
+        );
     }
 
     #[test]

@@ -322,8 +322,8 @@ async fn act(
     let ns = pod.namespace().unwrap_or_default();
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let evictions: Api<Pod> = Api::namespaced(ctx.evict_client.clone(), &ns);
-    if matches!(kind, ActionKind::Evict)
-        && !dry
+    // A pod whose last attempt was blocked or failed waits out its backoff.
+    if !dry
         && let Ok(retry) = ctx.evict_retry.lock()
         && retry.get(&key).is_some_and(|(_, next)| *next > now)
     {
@@ -460,14 +460,16 @@ async fn act(
     };
     ctx.metrics.reclaim(&pool.name_any(), &action, result);
 
-    // A PDB block is retried with backoff; record it once per run of blocks, not per retry.
-    let repeated_block = result == "BlockedByPDB"
+    // A PDB block or a failure (a 500, a timeout) is retried with backoff, and recorded once
+    // per run of the same result, not per retry.
+    let retried = matches!(result, "BlockedByPDB" | "Failed");
+    let repeated_block = retried
         && status
             .history
             .iter()
             .find(|r| r.pod == key)
-            .is_some_and(|r| r.result == "BlockedByPDB");
-    if result == "BlockedByPDB" {
+            .is_some_and(|r| r.result == result);
+    if retried {
         if let Ok(mut retry) = ctx.evict_retry.lock() {
             let n = retry.get(&key).map(|(n, _)| n + 1).unwrap_or(1);
             let delay = capped_backoff(
