@@ -6,7 +6,11 @@
 //! - [`MigController`] is the state machine shown in status: `Applied` when nothing is left to
 //!   do; on a difference `Draining` (until no compute process runs on the GPUs being changed,
 //!   or `Failed` after the drain timeout) → `Applying` (one operation per step) → `Applied`, or
-//!   `Failed` with the NVML error and the GPU. Only GPUs whose layout differs are touched.
+//!   `Failed` with the NVML error and the GPU. Only GPUs whose layout differs are touched. A
+//!   MIG mode change waiting for a GPU reset fails (`GPUResetTimeout`) after the drain timeout
+//!   too. A failure stands until the spec changes or the hardware is seen to match; a restarted
+//!   agent takes it up from the GpuNode's status ([`MigController::restore`]) instead of
+//!   draining the node again.
 //! - [`apply_op`] performs one operation through the backend.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -449,6 +453,8 @@ pub enum Phase {
         gpus: Vec<u32>,
         /// GPUs waiting for a reset to change MIG mode.
         reset_pending: Vec<u32>,
+        /// Since when a reset has been pending (`None` when none is).
+        reset_since: Option<Instant>,
     },
     /// The hardware matches.
     Applied,
@@ -473,6 +479,11 @@ pub enum MigFailure {
     DrainTimeout,
     /// An NVML call creating or destroying an instance, or switching MIG mode, failed.
     NvmlError,
+    /// A MIG mode change waited for a GPU reset or reboot longer than the drain timeout.
+    ResetTimeout,
+    /// A failure this agent did not see happen: read back from the GpuNode's status after a
+    /// restart, with the reason it gave.
+    Restored,
 }
 
 impl MigFailure {
@@ -482,6 +493,8 @@ impl MigFailure {
             MigFailure::InvalidLayout => "InvalidLayout",
             MigFailure::DrainTimeout => "DrainTimeout",
             MigFailure::NvmlError => "NVMLError",
+            MigFailure::ResetTimeout => "GPUResetTimeout",
+            MigFailure::Restored => "Failed",
         }
     }
 }
@@ -507,6 +520,8 @@ pub struct MigController {
     generation: Option<i64>,
     drain_timeout: Duration,
     poll: Duration,
+    /// The status reason of a failure read back by [`MigController::restore`].
+    restored_reason: Option<String>,
 }
 
 impl MigController {
@@ -517,7 +532,27 @@ impl MigController {
             generation: None,
             drain_timeout,
             poll: Duration::from_millis(500),
+            restored_reason: None,
         }
+    }
+
+    /// Takes up a `Failed` state the GpuNode's status records for `generation`, as a restarted
+    /// agent finds it: the failure stands (no new drain of the node's pods) until the spec
+    /// changes or the hardware is seen to match the layout (after a reboot, say).
+    pub fn restore(&mut self, status: &NodeMigStatus, generation: Option<i64>) {
+        if status.state != MigState::Failed
+            || generation.is_none()
+            || status.observed_generation != generation
+        {
+            return;
+        }
+        self.phase = Phase::Failed {
+            reason: MigFailure::Restored,
+            message: status.message.clone().unwrap_or_default(),
+            gpus: status.gpus.clone(),
+        };
+        self.generation = generation;
+        self.restored_reason = status.reason.clone();
     }
 
     /// The current phase.
@@ -554,8 +589,18 @@ impl MigController {
         if !spec.managed || spec.gpus.is_empty() {
             return self.set(Phase::Idle, generation);
         }
-        if matches!(self.phase, Phase::Failed { .. }) && self.generation == generation {
-            return Step::Idle;
+        let failed_here =
+            matches!(self.phase, Phase::Failed { .. }) && self.generation == generation;
+        if failed_here {
+            // A failure stands until the spec changes, unless the hardware now matches (a
+            // reset or reboot completed the change).
+            let done = plan_mig(current, &spec.gpus).is_ok_and(|ops| ops.is_empty())
+                && reset_pending(current, &spec.gpus).is_empty();
+            return if done {
+                self.set(Phase::Applied, generation)
+            } else {
+                Step::Idle
+            };
         }
         let ops = match plan_mig(current, &spec.gpus) {
             Ok(ops) => ops,
@@ -581,10 +626,33 @@ impl MigController {
             if pending.is_empty() {
                 return self.set(Phase::Applied, generation);
             }
+            let since = match &self.phase {
+                Phase::Applying {
+                    reset_since: Some(t),
+                    ..
+                } if self.generation == generation => *t,
+                _ => now,
+            };
+            if now.duration_since(since) >= self.drain_timeout {
+                let list: Vec<String> = pending.iter().map(u32::to_string).collect();
+                return self.set(
+                    Phase::Failed {
+                        reason: MigFailure::ResetTimeout,
+                        message: format!(
+                            "the MIG mode change on GPU {} needs a GPU reset or a reboot, not done within {:?}; reset the GPU (nvidia-smi -r) or reboot the node, and the agent completes the layout",
+                            list.join(", "),
+                            self.drain_timeout
+                        ),
+                        gpus: pending,
+                    },
+                    generation,
+                );
+            }
             let step = self.set(
                 Phase::Applying {
                     gpus: pending.clone(),
                     reset_pending: pending,
+                    reset_since: Some(since),
                 },
                 generation,
             );
@@ -611,6 +679,7 @@ impl MigController {
                         Phase::Applying {
                             gpus,
                             reset_pending: vec![],
+                            reset_since: None,
                         },
                         generation,
                     )
@@ -665,6 +734,7 @@ impl MigController {
             Phase::Applying {
                 gpus,
                 reset_pending,
+                ..
             } if !reset_pending.is_empty() => {
                 let list: Vec<String> = reset_pending.iter().map(u32::to_string).collect();
                 (
@@ -685,7 +755,10 @@ impl MigController {
                 gpus,
             } => (
                 MigState::Failed,
-                Some(reason.reason().to_owned()),
+                Some(match (reason, &self.restored_reason) {
+                    (MigFailure::Restored, Some(r)) => r.clone(),
+                    _ => reason.reason().to_owned(),
+                }),
                 Some(message.clone()),
                 gpus.clone(),
             ),
@@ -1039,6 +1112,97 @@ mod tests {
             c.step(&hw, &spec, Some(1), &BTreeSet::new(), Instant::now()),
             Step::Wait(_)
         ));
+    }
+
+    #[test]
+    fn a_reset_pending_too_long_fails_and_a_completed_reset_then_applies() {
+        let spec = NodeMigSpec {
+            managed: true,
+            gpus: vec![want(0, true, &[("1g.10gb", 1)])],
+            ..NodeMigSpec::default()
+        };
+        let t0 = Instant::now();
+        let mut c = MigController::new(Duration::from_secs(5));
+        let pending = vec![gpu(0, false, true, &[])];
+        let none = BTreeSet::new();
+        assert_eq!(
+            c.step(&pending, &spec, Some(1), &none, t0),
+            Step::PhaseChanged
+        );
+        assert!(matches!(
+            c.step(&pending, &spec, Some(1), &none, t0 + Duration::from_secs(4)),
+            Step::Wait(_)
+        ));
+        assert_eq!(
+            c.step(&pending, &spec, Some(1), &none, t0 + Duration::from_secs(5)),
+            Step::PhaseChanged
+        );
+        let s = c.status();
+        assert_eq!(
+            (s.state, s.reason.as_deref()),
+            (MigState::Failed, Some("GPUResetTimeout"))
+        );
+        assert!(s.message.unwrap_or_default().contains("reboot"));
+        // Still pending: the failure stands.
+        assert_eq!(
+            c.step(
+                &pending,
+                &spec,
+                Some(1),
+                &none,
+                t0 + Duration::from_secs(60)
+            ),
+            Step::Idle
+        );
+        // The GPU was reset and the mode took effect: the instances are still to create,
+        // so the failure stands until the spec changes...
+        let reset = vec![gpu(0, true, true, &[])];
+        assert_eq!(c.step(&reset, &spec, Some(1), &none, t0), Step::Idle);
+        // ...unless the hardware matches the layout in full.
+        let done = vec![gpu(0, true, true, &[(1, "1g.10gb", 0, 1)])];
+        assert_eq!(c.step(&done, &spec, Some(1), &none, t0), Step::PhaseChanged);
+        assert_eq!(c.status().state, MigState::Applied);
+    }
+
+    #[test]
+    fn a_restarted_agent_keeps_a_recorded_failure_instead_of_draining_again() {
+        let spec = NodeMigSpec {
+            managed: true,
+            gpus: vec![want(0, true, &[("7g.80gb", 1)])],
+            ..NodeMigSpec::default()
+        };
+        let recorded = NodeMigStatus {
+            state: MigState::Failed,
+            reason: Some("DrainTimeout".into()),
+            message: Some("compute processes still run on GPU 0".into()),
+            gpus: vec![0],
+            observed_generation: Some(3),
+        };
+        let hw = vec![gpu(0, true, true, &[])];
+        let busy: BTreeSet<u32> = [0].into();
+        let t0 = Instant::now();
+        let mut c = MigController::new(Duration::from_secs(60));
+        c.restore(&recorded, Some(3));
+        assert_eq!(c.step(&hw, &spec, Some(3), &busy, t0), Step::Idle);
+        let s = c.status();
+        assert_eq!(s.state, MigState::Failed);
+        assert_eq!(
+            s.reason.as_deref(),
+            Some("DrainTimeout"),
+            "the reason it gave"
+        );
+        assert_eq!(s.message, recorded.message);
+        // A new spec generation is a new attempt.
+        assert_eq!(c.step(&hw, &spec, Some(4), &busy, t0), Step::PhaseChanged);
+        assert_eq!(c.status().state, MigState::Draining);
+        // A failure recorded for another generation is not taken up.
+        let mut fresh = MigController::new(Duration::from_secs(60));
+        fresh.restore(&recorded, Some(4));
+        assert_eq!(
+            fresh.step(&hw, &spec, Some(4), &busy, t0),
+            Step::PhaseChanged
+        );
+        assert_eq!(fresh.status().state, MigState::Draining);
     }
 
     #[test]

@@ -33,6 +33,8 @@ use crate::plugin::{self, Advertisement, Topology};
 /// Everything the agent keeps about its node between passes, job by job.
 pub struct NodeState {
     mig: MigJob,
+    /// Whether the GpuNode's recorded MIG state has been taken up (first pass only).
+    mig_restored: bool,
     cdi: CdiJob,
     /// Driver checks (public to the loop: health events make them due).
     pub validation: ValidationJob,
@@ -63,6 +65,7 @@ impl NodeState {
         let config = &agent.config;
         NodeState {
             mig: MigJob::new(config.drain_timeout, config.mig_step_delay, now),
+            mig_restored: false,
             cdi: CdiJob::default(),
             validation: ValidationJob::new(config.kmsg_path.clone(), config.validate_interval, now),
             sampling: SamplingJob::new(
@@ -110,6 +113,12 @@ impl NodeState {
     ) -> Option<Instant> {
         let generation = gpunode.metadata.generation;
         let spec = &gpunode.spec;
+        if !self.mig_restored {
+            if let Some(status) = &gpunode.status {
+                self.mig.restore(&status.mig, generation);
+            }
+            self.mig_restored = true;
+        }
         let mut inventory = self.read_inventory(agent).await;
         let mut mig_wake: Option<Instant> = None;
 

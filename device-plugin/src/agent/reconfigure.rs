@@ -51,6 +51,13 @@ impl MigJob {
         self.controller.busy()
     }
 
+    /// Takes up a failure the GpuNode's status records for this spec generation (see
+    /// [`MigController::restore`]): a restarted agent does not drain the node again for a
+    /// change that already failed.
+    pub fn restore(&mut self, status: &NodeMigStatus, generation: Option<i64>) {
+        self.controller.restore(status, generation);
+    }
+
     /// Where reconfiguration stands, as GpuNode status.
     pub fn status(&self) -> NodeMigStatus {
         self.controller.status()
