@@ -6,8 +6,9 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::KubeSchema;
 use kube::core::Duration;
-use schemars::JsonSchema;
+use schemars::{JsonSchema, Schema, SchemaGenerator};
 use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
 use std::collections::BTreeMap;
 
 /// Every MIG profile name that some supported GPU model offers (from the catalog). The CEL
@@ -48,7 +49,12 @@ fn profile_names_rule() -> kube::core::Rule {
 }
 
 fn profile_fit_rule() -> kube::core::Rule {
-    kube::core::Rule::new("self.map(k, int(k.split('g.')[0]) * self[k]).sum() <= 7").message(
+    // Names that are not `<n>g.…` count 0 here: the names rule rejects them, and `int()` on
+    // them would fail the evaluation instead of giving a message.
+    kube::core::Rule::new(
+        "self.map(k, k.matches('^[0-9]g[.]') ? int(k.split('g.')[0]) * self[k] : 0).sum() <= 7",
+    )
+    .message(
         "the profiles need more than the 7 compute slices a GPU has: lower the counts \
          (the leading number of a profile name is its compute slices, e.g. 3g.40gb uses 3)",
     )
@@ -281,6 +287,12 @@ impl CdiDeviceNameStrategy {
 #[x_kube(validation = kube::core::Rule::new(
     "self.strategy != 'single' || !has(self.layout) || !has(self.layout.preset) || self.layout.preset != 'all-balanced'"
 ).message("strategy single advertises one profile as nvidia.com/gpu, so it cannot use the all-balanced preset, which mixes profiles: use mixed, or a preset all-<profile>"))]
+#[x_kube(validation = kube::core::Rule::new(
+    "self.strategy != 'single' || !has(self.layout) || !has(self.layout.preset) || self.layout.preset != 'all-enabled'"
+).message("strategy single advertises the GPUs' MIG devices as nvidia.com/gpu, and the all-enabled preset creates none, so nothing would be advertised: use a preset all-<profile> such as all-1g.10gb"))]
+#[x_kube(validation = kube::core::Rule::new(
+    "self.strategy != 'single' || !has(self.layout) || !has(self.layout.custom) || self.layout.custom.all(e, (has(e.enabled) && !e.enabled) || (has(e.profiles) && size(e.profiles) == 1))"
+).message("strategy single advertises one MIG profile as nvidia.com/gpu, so each mig.layout.custom entry with MIG enabled must name exactly one profile, e.g. {1g.10gb: 7}: use strategy mixed for several profiles"))]
 pub struct MigPolicy {
     /// How MIG devices are advertised to the kubelet, as NVIDIA's device plugin does:
     /// `none` (whole GPUs as `nvidia.com/gpu`), `single` (the one MIG profile as `nvidia.com/gpu`),
@@ -322,6 +334,12 @@ pub struct MigLayout {
     /// Entries applied in order; the first entry that matches a GPU (by index and model) wins.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 16))]
+    #[x_kube(validation = kube::core::Rule::new(
+        "self.all(e, has(e.gpus) || has(e.models)) || (self.filter(e, !has(e.gpus) && !has(e.models)).size() == 1 && !has(self[self.size() - 1].gpus) && !has(self[self.size() - 1].models))"
+    ).message(
+        "mig.layout.custom: an entry with neither gpus nor models matches every GPU, so the \
+         entries after it would never apply: keep one such entry, and make it the last"
+    ))]
     pub custom: Option<Vec<MigLayoutEntry>>,
 }
 
@@ -331,18 +349,18 @@ pub struct MigLayout {
 #[x_kube(validation = kube::core::Rule::new("self.enabled || size(self.profiles) == 0")
     .message("an entry with enabled: false turns MIG off, so it cannot list profiles"))]
 pub struct MigLayoutEntry {
-    /// GPU indices this entry applies to. Absent: every GPU.
+    /// GPU indices this entry applies to. Absent: every GPU (an empty list would match none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 16), inner(range(max = 63)))]
+    #[schemars(length(min = 1, max = 16), inner(range(max = 63)))]
     #[x_kube(validation = kube::core::Rule::new("self.all(g, self.exists_one(x, x == g))")
         .message("mig.layout.custom[].gpus lists a GPU index twice"))]
     pub gpus: Option<Vec<u32>>,
 
     /// GPU product names this entry applies to, as in the `nvidia.com/gpu.product` label
-    /// (e.g. `NVIDIA-H100-80GB-HBM3`). Absent: every model.
+    /// (e.g. `NVIDIA-H100-80GB-HBM3`). Absent: every model (an empty list would match none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(
-        length(max = 16),
+        length(min = 1, max = 16),
         inner(
             length(max = 63),
             regex(pattern = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -548,24 +566,146 @@ pub fn selector_values_rule(field: &str) -> kube::core::Rule {
     )))
 }
 
+/// Most `matchLabels` entries a selector in a GpuPool may have.
+pub const MAX_SELECTOR_LABELS: u32 = 64;
+/// Most `matchExpressions` a selector in a GpuPool may have.
+pub const MAX_SELECTOR_EXPRESSIONS: u32 = 32;
+/// Most `values` one `matchExpressions` entry may list.
+pub const MAX_SELECTOR_VALUES: u32 = 256;
+
+/// The name part of a label key, and a non-empty label value: 1–63 letters, digits, `-`, `_`
+/// or `.`, starting and ending with a letter or digit (Kubernetes' `IsQualifiedName`).
+const LABEL_NAME_RE: &str = "([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]";
+/// A lowercase DNS subdomain, the optional prefix of a label key.
+const DNS_SUBDOMAIN_RE: &str = "[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*";
+
+/// CEL: `x` (a string expression) is a label key; the prefix before `/` is at most 253 long.
+fn label_key_cel(x: &str) -> String {
+    format!(
+        "{x}.matches('^({DNS_SUBDOMAIN_RE}/)?{LABEL_NAME_RE}$') && (!{x}.contains('/') || {x}.indexOf('/') <= 253)"
+    )
+}
+
+const LABEL_KEY_HELP: &str = "a name of at most 63 letters, digits, '-', '_' or '.' that starts \
+     and ends with a letter or digit, optionally after a lowercase DNS prefix and '/', \
+     e.g. nvidia.com/gpu.present";
+const LABEL_VALUE_HELP: &str = "at most 63 letters, digits, '-', '_' or '.', starting and \
+     ending with a letter or digit, e.g. NVIDIA-H100-80GB-HBM3";
+
+fn cel_rule(rule: String, message: String) -> Value {
+    json!({ "rule": rule, "message": message })
+}
+
+/// The schema of a label selector field of a GpuPool: Kubernetes' `LabelSelector` with its
+/// lists and strings bounded (so that the CEL rules over them stay within the apiserver's cost
+/// budget) and every key and value checked for label syntax. A key or value that no label can
+/// have would match nothing with `In`/`Exists` and everything with `NotIn`/`DoesNotExist`.
+fn label_selector_schema(generator: &mut SchemaGenerator, field: &str, nullable: bool) -> Schema {
+    let mut schema = generator.subschema_for::<LabelSelector>().to_value();
+    // Indexing below would create what is missing; fail loudly if k8s-openapi's shape changes.
+    for path in [
+        "/properties/matchExpressions/items/properties/key",
+        "/properties/matchExpressions/items/properties/operator",
+        "/properties/matchExpressions/items/properties/values/items",
+        "/properties/matchLabels/additionalProperties",
+    ] {
+        assert!(
+            schema.pointer(path).is_some(),
+            "LabelSelector schema lacks {path}"
+        );
+    }
+    let key_len = 253 + 1 + 63;
+    let value_rule = format!("self.matches('^({LABEL_NAME_RE})?$')");
+    {
+        let exprs = &mut schema["properties"]["matchExpressions"];
+        exprs["maxItems"] = json!(MAX_SELECTOR_EXPRESSIONS);
+        let req = &mut exprs["items"]["properties"];
+        req["key"]["maxLength"] = json!(key_len);
+        req["key"]["x-kubernetes-validations"] = json!([cel_rule(
+            label_key_cel("self"),
+            format!("{field}.matchExpressions[].key must be a label key: {LABEL_KEY_HELP}"),
+        )]);
+        req["operator"]["maxLength"] = json!(16);
+        req["values"]["maxItems"] = json!(MAX_SELECTOR_VALUES);
+        req["values"]["items"]["maxLength"] = json!(63);
+        req["values"]["items"]["x-kubernetes-validations"] = json!([cel_rule(
+            value_rule.clone(),
+            format!("{field}.matchExpressions[].values must be label values: {LABEL_VALUE_HELP}"),
+        )]);
+    }
+    {
+        let labels = &mut schema["properties"]["matchLabels"];
+        labels["maxProperties"] = json!(MAX_SELECTOR_LABELS);
+        labels["x-kubernetes-validations"] = json!([cel_rule(
+            format!("self.all(k, {})", label_key_cel("k")),
+            format!("{field}.matchLabels keys must be label keys: {LABEL_KEY_HELP}"),
+        )]);
+        labels["additionalProperties"]["maxLength"] = json!(63);
+        labels["additionalProperties"]["x-kubernetes-validations"] = json!([cel_rule(
+            value_rule,
+            format!("{field}.matchLabels values must be label values: {LABEL_VALUE_HELP}"),
+        )]);
+    }
+    if nullable {
+        schema["nullable"] = json!(true);
+    }
+    Schema::try_from(schema).expect("a label selector schema is an object")
+}
+
+/// Schema of `spec.nodeSelector`.
+pub(crate) fn node_selector_schema(generator: &mut SchemaGenerator) -> Schema {
+    label_selector_schema(generator, "nodeSelector", false)
+}
+
+fn namespace_selector_schema(generator: &mut SchemaGenerator) -> Schema {
+    label_selector_schema(generator, "reclaim.exemptions.namespaceSelector", true)
+}
+
+fn pod_selector_schema(generator: &mut SchemaGenerator) -> Schema {
+    label_selector_schema(generator, "reclaim.exemptions.podSelector", true)
+}
+
+/// CEL for an exemption selector: it names labels. An empty selector matches everything, so
+/// it would exempt every pod and turn reclamation off without a word.
+fn nonempty_exemption_rule(field: &str, matches: &str) -> kube::core::Rule {
+    kube::core::Rule::new(
+        "(has(self.matchLabels) && size(self.matchLabels) > 0) || (has(self.matchExpressions) && size(self.matchExpressions) > 0)",
+    )
+    .message(kube::core::Message::Message(format!(
+        "{field} must name labels (matchLabels or matchExpressions): an empty selector matches \
+         every {matches}, which exempts every pod from reclaim; leave it out to exempt none"
+    )))
+}
+
 /// Pods the reclaimer never touches.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ReclaimExemptions {
     /// Namespaces whose pods are exempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "namespace_selector_schema")]
+    #[x_kube(validation = nonempty_exemption_rule("reclaim.exemptions.namespaceSelector", "namespace"))]
     #[x_kube(validation = selector_operator_rule("reclaim.exemptions.namespaceSelector"))]
     #[x_kube(validation = selector_values_rule("reclaim.exemptions.namespaceSelector"))]
     pub namespace_selector: Option<LabelSelector>,
 
     /// Pods that are exempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "pod_selector_schema")]
+    #[x_kube(validation = nonempty_exemption_rule("reclaim.exemptions.podSelector", "pod"))]
     #[x_kube(validation = selector_operator_rule("reclaim.exemptions.podSelector"))]
     #[x_kube(validation = selector_values_rule("reclaim.exemptions.podSelector"))]
     pub pod_selector: Option<LabelSelector>,
 
-    /// Pods with one of these priority classes are exempt.
+    /// Pods with one of these priority classes are exempt. Each is a PriorityClass name (a
+    /// lowercase DNS subdomain such as `system-cluster-critical`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 32))]
+    #[schemars(
+        length(max = 32),
+        inner(
+            length(min = 1, max = 253),
+            regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+        )
+    )]
     pub priority_class_names: Vec<String>,
 }

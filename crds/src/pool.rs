@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "camelCase")]
 pub struct GpuPoolSpec {
     /// Nodes that belong to the pool. A node matched by two pools belongs to the older one.
+    #[schemars(schema_with = "crate::policy::node_selector_schema")]
     #[x_kube(validation = kube::core::Rule::new(
         "(has(self.matchLabels) && size(self.matchLabels) > 0) || (has(self.matchExpressions) && size(self.matchExpressions) > 0)"
     ).message(kube::core::Message::Message(
@@ -46,6 +47,18 @@ pub struct GpuPoolSpec {
 
     /// CDI spec generation.
     #[serde(default)]
+    // These rules sit here rather than on `CdiPolicy`, which the GpuNode CRD shares.
+    #[x_kube(validation = kube::core::Rule::new(
+        "!has(self.driverRoot) || (!self.driverRoot.contains('//') && !self.driverRoot.split('/').exists(p, p == '.'))"
+    ).message(kube::core::Message::Message(
+        "cdi.driverRoot must be written without '//' or '.' components, e.g. /run/nvidia/driver \
+         (//proc and /./proc are /proc)".into()
+    )))]
+    #[x_kube(validation = kube::core::Rule::new(
+        "!has(self.deviceNameStrategies) || size(self.deviceNameStrategies) < 2 || self.deviceNameStrategies[0] != self.deviceNameStrategies[1]"
+    ).message(kube::core::Message::Message(
+        "cdi.deviceNameStrategies lists a strategy twice: write [index], [uuid] or [index, uuid]".into()
+    )))]
     pub cdi: CdiPolicy,
 
     /// MIG partitioning and advertising.
