@@ -142,6 +142,25 @@ impl Cluster {
         self.owned_state_dir.as_deref()
     }
 
+    /// Stops kube-apiserver and starts it again on the same port and etcd, returning once it is
+    /// ready (`e2e/cluster restart-apiserver`). Every client's connections drop: a fault test's
+    /// tool. The state directory is the kubeconfig's.
+    pub fn restart_apiserver(&self) -> Result<()> {
+        let state_dir = self
+            .kubeconfig
+            .parent()
+            .context("the kubeconfig has no directory")?;
+        let status = script(state_dir, &["restart-apiserver"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .status()
+            .context("running e2e/cluster restart-apiserver")?;
+        if !status.success() {
+            bail!("e2e/cluster restart-apiserver failed ({status})");
+        }
+        Ok(())
+    }
+
     /// kubectl bound to this cluster.
     pub fn kubectl(&self) -> Kubectl {
         Kubectl::new(self.tools.kubectl(), &self.kubeconfig)

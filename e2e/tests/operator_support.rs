@@ -100,6 +100,11 @@ impl Operator {
         })
     }
 
+    /// Whether the process still runs (it has not exited on its own).
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
     /// Kills the process at once (SIGKILL): a crashed leader.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
@@ -363,6 +368,15 @@ pub async fn create_gpu_pod(
     annotations: &[(&str, &str)],
     labels: &[(&str, &str)],
 ) -> Result<Pod> {
+    // The service account admission plugin refuses pods until the namespace's `default`
+    // ServiceAccount exists, which the controller manager creates shortly after the namespace.
+    let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+        Api::namespaced(client.clone(), scope.namespace());
+    wait::poll("the namespace's default ServiceAccount", REACT, POLL, || {
+        let accounts = accounts.clone();
+        async move { Ok(accounts.get_opt("default").await?.map(|_| ())) }
+    })
+    .await?;
     let (k, v) = scope.label();
     let mut label_map: BTreeMap<String, String> = labels
         .iter()

@@ -83,9 +83,29 @@ pub struct Context {
     pub evict_retry: Mutex<HashMap<String, (u32, Timestamp)>>,
     /// The agents' heartbeats as the GpuNode watch delivers them.
     pub liveness: Arc<Liveness>,
+    /// Per pool, the resourceVersion the API server gave this process's last status write.
+    pub written: Mutex<HashMap<String, String>>,
 }
 
 impl Context {
+    /// The resourceVersion of this process's last status write to `pool`, if any.
+    pub fn written_version(&self, pool: &str) -> Option<String> {
+        self.written
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(pool)
+            .cloned()
+    }
+
+    /// Records a status write's resulting resourceVersion (forgets the pool on `None`).
+    pub fn status_written(&self, pool: &str, version: Option<String>) {
+        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        match version {
+            Some(v) => written.insert(pool.to_owned(), v),
+            None => written.remove(pool),
+        };
+    }
+
     /// The first cache that has not yet been filled by its initial list, if any. Until every
     /// one has, a reconcile would judge from a partial picture: a GpuNode store filled before
     /// the Node store makes every member look gone, and its GpuNode deleted as "left".

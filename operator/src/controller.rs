@@ -207,6 +207,24 @@ pub(crate) fn operator_taints(node: &Node) -> BTreeSet<&'static str> {
 
 /// The reconcile of a live pool.
 async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> {
+    // The status this reconcile builds on (reclaim history and counters above all) must not be
+    // older than the one this process last wrote: a cache that lags behind its own write (its
+    // watch was reconnecting, after an API server restart say) would make the next write undo
+    // the last one. Then the pool is read afresh.
+    let fresh;
+    let pool = match ctx.written_version(&pool.name_any()) {
+        Some(written) if pool.resource_version().as_deref() != Some(written.as_str()) => {
+            let api: Api<GpuPool> = Api::all(ctx.client.clone());
+            fresh = api.get(&pool.name_any()).await.map_err(Error::kube(
+                "get",
+                "gpupools",
+                format!("reading GpuPool {} afresh", pool.name_any()),
+            ))?;
+            debug!("the pool cache lags this operator's last status write; read it afresh");
+            &fresh
+        }
+        _ => pool,
+    };
     let name = pool.name_any();
     let pools = valid_pools(ctx);
     let nodes = ctx.nodes.state();
@@ -507,17 +525,19 @@ async fn write_status(pool: &GpuPool, status: GpuPoolStatus, ctx: &Context) -> R
         "kind": "GpuPool",
         "status": status,
     });
-    api.patch_status(
-        &name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&patch),
-    )
-    .await
-    .map_err(Error::kube(
-        "patch",
-        "gpupools/status",
-        format!("writing status of GpuPool {name}"),
-    ))?;
+    let written = api
+        .patch_status(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .map_err(Error::kube(
+            "patch",
+            "gpupools/status",
+            format!("writing status of GpuPool {name}"),
+        ))?;
+    ctx.status_written(&name, written.resource_version());
     ctx.metrics.write("GpuPool", "status");
     let reference = pool.object_ref(&());
     for (type_, good_when_true) in [
@@ -763,6 +783,7 @@ pub async fn run(
         failures: Mutex::default(),
         evict_retry: Mutex::default(),
         liveness,
+        written: Mutex::default(),
     });
 
     // A node change concerns the pools that match it and the pool its label names.

@@ -157,6 +157,7 @@ impl Fixture {
             failures: Mutex::default(),
             evict_retry: Mutex::default(),
             liveness: Arc::default(),
+            written: Mutex::default(),
         });
         Self {
             ctx,
@@ -273,6 +274,57 @@ async fn an_unchanged_pool_writes_nothing() {
     f.node(&node);
     f.gpunode(&gn);
     run(f, &p, vec![], handle).await;
+}
+
+/// After an API server restart the pool cache can lag behind this operator's own last status
+/// write. A reconcile then reads the pool afresh and builds on what it finds there: here the
+/// server's copy records an eviction the cached copy has not seen, and the reconcile keeps it
+/// (an unchanged status: nothing is written) instead of writing the stale history back.
+#[tokio::test]
+async fn a_cache_behind_our_own_status_write_is_read_afresh_and_not_written_back() {
+    use gpupool_crds::pool::ReclaimRecord;
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut f = Fixture::new(Client::new(service, "default"));
+    let mut stale = with_finalizer(pool("train", "2026-01-01T00:00:00Z", &[("team", "ml")]));
+    let node = gpu_node("n1", Some("train"), false);
+    let gn = ready_gpunode(&stale, "n1");
+    stale.status = Some(pool::pool_status(&StatusInput {
+        pool: &stale,
+        members: vec![Member {
+            node: "n1".into(),
+            gpunode: Some(&gn),
+            layout_problem: None,
+            node_ready: true,
+            agent: AgentLiveness::Live { skew: None },
+        }],
+        conflicts: vec![],
+        selector_error: None,
+        pods_to_drain: 0,
+        reclaim: Default::default(),
+        api_failures: vec![],
+        now: "2026-03-01T00:00:00Z".parse::<Timestamp>().unwrap(),
+    }));
+    let mut current = stale.clone();
+    current.metadata.resource_version = Some("2".into());
+    if let Some(st) = current.status.as_mut() {
+        st.reclaim.reclaimed = 1;
+        st.reclaim.history = vec![ReclaimRecord {
+            pod: "ml/w".into(),
+            owner: None,
+            action: "Evict".into(),
+            result: "Succeeded".into(),
+            time: Time("2026-03-01T00:00:00Z".parse().unwrap()),
+        }];
+    }
+    f.pool(&stale);
+    f.node(&node);
+    f.gpunode(&gn);
+    f.ctx.status_written("train", Some("2".into()));
+    let expected = vec![Expect {
+        answer: Some(serde_json::to_value(&current).unwrap()),
+        ..expect(Method::GET, "/gpupools/train", |_| {})
+    }];
+    run(f, &stale, expected, handle).await;
 }
 
 /// At start or failover the Node list can arrive after the GpuNode list. A reconcile then must
