@@ -303,6 +303,20 @@ pub struct MigPolicy {
     /// The wanted partitioning. Absent: gpupool leaves MIG as it finds it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layout: Option<MigLayout>,
+
+    /// How many of the pool's nodes may change their MIG layout at once (drain, then apply).
+    /// A layout edit rolls over the nodes in name order, the next node starting when one
+    /// reports `Applied` or `Failed`, so that one edit never drains the whole pool. Default 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_unavailable: Option<u32>,
+}
+
+impl MigPolicy {
+    /// [`MigPolicy::max_unavailable`], defaulted.
+    pub fn max_unavailable(&self) -> u32 {
+        self.max_unavailable.unwrap_or(1).max(1)
+    }
 }
 
 /// MIG advertising strategy (NVIDIA's naming).

@@ -372,10 +372,15 @@ pub async fn create_gpu_pod(
     // ServiceAccount exists, which the controller manager creates shortly after the namespace.
     let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
         Api::namespaced(client.clone(), scope.namespace());
-    wait::poll("the namespace's default ServiceAccount", REACT, POLL, || {
-        let accounts = accounts.clone();
-        async move { Ok(accounts.get_opt("default").await?.map(|_| ())) }
-    })
+    wait::poll(
+        "the namespace's default ServiceAccount",
+        REACT,
+        POLL,
+        || {
+            let accounts = accounts.clone();
+            async move { Ok(accounts.get_opt("default").await?.map(|_| ())) }
+        },
+    )
     .await?;
     let (k, v) = scope.label();
     let mut label_map: BTreeMap<String, String> = labels

@@ -245,10 +245,37 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     let member_names: BTreeSet<String> = membership.members.iter().map(|n| n.name_any()).collect();
     let mut to_apply = Vec::new();
     let mut joined = Vec::new();
-    for node in &membership.members {
-        let node_name = node.name_any();
-        let (desired, problem) = pool::desired_gpunode(pool, &node_name, node.labels());
+    let wanted: Vec<_> = membership
+        .members
+        .iter()
+        .map(|node| {
+            let node_name = node.name_any();
+            let (desired, problem) = pool::desired_gpunode(pool, &node_name, node.labels());
+            (node, node_name, desired, problem)
+        })
+        .collect();
+    // A layout edit rolls over the nodes a few at a time (mig.maxUnavailable).
+    let owned = |name: &str| {
+        gpunodes
+            .get(name)
+            .filter(|gn| owned_by(gn, pool))
+            .map(Arc::as_ref)
+    };
+    let rollout: Vec<(&str, Option<&GpuNode>, &gpupool_crds::node::NodeMigSpec)> = wanted
+        .iter()
+        .map(|(_, name, desired, _)| (name.as_str(), owned(name), &desired.spec.mig))
+        .collect();
+    let holds: BTreeSet<String> =
+        pool::mig_rollout_holds(pool.spec.mig.max_unavailable(), &rollout)
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+    for (node, node_name, mut desired, problem) in wanted {
+        let mig_waiting = holds.contains(&node_name);
         let existing = gpunodes.get(&node_name);
+        if mig_waiting && let Some(gn) = existing {
+            desired.spec.mig = gn.spec.mig.clone();
+        }
         match existing {
             Some(gn) if !owned_by(gn, pool) => {
                 // Still held by a pool that is letting go; take it once it is gone.
@@ -272,6 +299,7 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
             agent: ctx
                 .liveness
                 .judge(&node_name, now, ctx.settings.agent_stale_after),
+            mig_waiting,
         });
     }
     // A failed write does not stop the others: the status names what failed.

@@ -299,6 +299,7 @@ mod tests {
                 preset: Some(name.into()),
                 custom: None,
             }),
+            max_unavailable: None,
         }
     }
 
@@ -404,6 +405,7 @@ mod tests {
                     },
                 ]),
             }),
+            max_unavailable: None,
         };
         let (spec, problem) = resolve(&policy, &gpus("NVIDIA-H100-80GB-HBM3", 3));
         assert_eq!(problem, None);

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use gpupool_crds::conditions::{Observed, condition, set_condition};
 use gpupool_crds::labels::{DRIVER_INVALID_TAINT, MIG_RECONFIGURING_TAINT, POOL_LABEL};
 use gpupool_crds::node::{
-    CDI_SPEC_READY, GpuNode, GpuNodeSpec, Health, MigState, UtilizationSpec, Verdict,
+    CDI_SPEC_READY, GpuNode, GpuNodeSpec, Health, MigState, NodeMigSpec, UtilizationSpec, Verdict,
 };
 use gpupool_crds::policy::OnFailure;
 use gpupool_crds::pool::{
@@ -91,6 +91,50 @@ pub fn node_taints(pool: &GpuPool, gn: Option<&GpuNode>) -> BTreeSet<&'static st
     taints
 }
 
+/// Whether a GpuNode's MIG change is under way: handed over and not yet reported done
+/// (`Applied` or `Failed`) for the spec's generation.
+fn mig_in_progress(gn: &GpuNode) -> bool {
+    match &gn.status {
+        None => gn.spec.mig.managed,
+        Some(s) => {
+            matches!(s.mig.state, MigState::Draining | MigState::Applying)
+                || (gn.spec.mig.managed && s.mig.observed_generation != gn.metadata.generation)
+        }
+    }
+}
+
+/// The MIG rollout over a pool's nodes: which of them must keep their current layout for now.
+/// `nodes` are `(name, its GpuNode, the layout it should get)`. Nodes that already have the
+/// wanted layout but have not finished applying it are under way; of the nodes whose layout
+/// is to change, the first in name order get it while fewer than `max_unavailable` are under
+/// way, and the rest hold. A node without a GpuNode yet gets its layout at once (it has no
+/// layout of its own to keep). Pure.
+pub fn mig_rollout_holds<'a>(
+    max_unavailable: u32,
+    nodes: &[(&'a str, Option<&GpuNode>, &NodeMigSpec)],
+) -> BTreeSet<&'a str> {
+    let under_way = nodes
+        .iter()
+        .filter(|(_, gn, want)| gn.is_some_and(|g| g.spec.mig == **want && mig_in_progress(g)))
+        .count() as u32;
+    let mut budget = max_unavailable.saturating_sub(under_way);
+    let mut sorted: Vec<_> = nodes.iter().collect();
+    sorted.sort_by_key(|(name, _, _)| *name);
+    let mut holds = BTreeSet::new();
+    for (name, gn, want) in sorted {
+        let Some(gn) = gn else { continue };
+        if gn.spec.mig == **want {
+            continue;
+        }
+        if budget > 0 {
+            budget -= 1;
+        } else {
+            holds.insert(*name);
+        }
+    }
+    holds
+}
+
 /// The GpuNode a node of `pool` should have, and a layout problem if the pool's MIG layout
 /// does not fit the node's GPUs.
 pub fn desired_gpunode(
@@ -150,6 +194,9 @@ pub struct Member<'a> {
     pub node_ready: bool,
     /// Whether its agent is alive, by its heartbeats ([`crate::liveness`]).
     pub agent: AgentLiveness,
+    /// Whether it keeps its current MIG layout until other nodes finish changing theirs
+    /// ([`mig_rollout_holds`]).
+    pub mig_waiting: bool,
 }
 
 /// A node two pools' selectors both match. Both pools report it: the one that holds the node
@@ -363,6 +410,17 @@ fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -
             }
             _ => MigVerdict::Pending,
         };
+    }
+    if m.mig_waiting && v.mig != MigVerdict::Failed {
+        v.mig = MigVerdict::Pending;
+        problem(
+            "MIGRolloutWaiting",
+            format!(
+                "keeps its current MIG layout until its turn: at most {} node(s) of the pool \
+                 change their layout at once (mig.maxUnavailable)",
+                pool.spec.mig.max_unavailable()
+            ),
+        );
     }
     for gpu in status.gpus.iter().filter(|g| g.health == Health::Unhealthy) {
         v.unhealthy = true;
@@ -913,6 +971,7 @@ pub(crate) mod tests {
                 preset: Some("all-1g.10gb".into()),
                 custom: None,
             }),
+            max_unavailable: None,
         };
         p.spec.reclaim.idle_threshold = 7;
         let (gn, problem) = desired_gpunode(
@@ -968,6 +1027,7 @@ pub(crate) mod tests {
             layout_problem: None,
             node_ready: true,
             agent: AgentLiveness::Live { skew: None },
+            mig_waiting: false,
         }
     }
 
@@ -1215,6 +1275,113 @@ pub(crate) mod tests {
         assert_eq!(
             node_taints(&p, Some(&failing)),
             BTreeSet::from([DRIVER_INVALID_TAINT])
+        );
+    }
+
+    /// One layout edit rolls over the nodes `mig.maxUnavailable` at a time, in name order.
+    #[test]
+    fn a_mig_layout_edit_rolls_over_the_nodes_a_few_at_a_time() {
+        let mut p = pool("train", "2026-01-01T00:00:00Z", &[]);
+        let old = ready_gpunode(&p, "n1");
+        p.spec.mig = MigPolicy {
+            strategy: MigStrategy::Mixed,
+            layout: Some(MigLayout {
+                preset: Some("all-1g.10gb".into()),
+                custom: None,
+            }),
+            max_unavailable: None,
+        };
+        let want = ready_gpunode(&p, "n1").spec.mig;
+        assert_ne!(old.spec.mig, want);
+        let on = |name: &str, gn: &GpuNode| {
+            let mut g = gn.clone();
+            g.metadata.name = Some(name.into());
+            g
+        };
+        let (o1, o2, o3) = (on("n1", &old), on("n2", &old), on("n3", &old));
+        let holds = |nodes: &[(&'static str, Option<&GpuNode>)], max: u32| {
+            let rows: Vec<_> = nodes.iter().map(|(n, g)| (*n, *g, &want)).collect();
+            mig_rollout_holds(max, &rows)
+        };
+        // Nothing under way: the first node by name goes, the others hold.
+        assert_eq!(
+            holds(
+                &[("n3", Some(&o3)), ("n1", Some(&o1)), ("n2", Some(&o2))],
+                1
+            ),
+            BTreeSet::from(["n2", "n3"])
+        );
+        // n1 has the new layout and is draining: nobody else starts.
+        let mut n1_draining = on("n1", &old);
+        n1_draining.spec.mig = want.clone();
+        n1_draining.status.as_mut().unwrap().mig.state = MigState::Draining;
+        assert_eq!(
+            holds(
+                &[
+                    ("n1", Some(&n1_draining)),
+                    ("n2", Some(&o2)),
+                    ("n3", Some(&o3))
+                ],
+                1
+            ),
+            BTreeSet::from(["n2", "n3"])
+        );
+        // Handed over but not yet seen by its agent (generation not observed): still under way.
+        let mut n1_handed = n1_draining.clone();
+        n1_handed.status.as_mut().unwrap().mig.state = MigState::Applied;
+        n1_handed.metadata.generation = Some(2);
+        assert_eq!(
+            holds(
+                &[
+                    ("n1", Some(&n1_handed)),
+                    ("n2", Some(&o2)),
+                    ("n3", Some(&o3))
+                ],
+                1
+            ),
+            BTreeSet::from(["n2", "n3"])
+        );
+        // n1 done (Applied for its generation): n2 goes next; with two at a time, n3 too.
+        let mut n1_done = n1_handed.clone();
+        n1_done.status.as_mut().unwrap().mig.observed_generation = Some(2);
+        assert_eq!(
+            holds(
+                &[("n1", Some(&n1_done)), ("n2", Some(&o2)), ("n3", Some(&o3))],
+                1
+            ),
+            BTreeSet::from(["n3"])
+        );
+        assert!(
+            holds(
+                &[("n1", Some(&n1_done)), ("n2", Some(&o2)), ("n3", Some(&o3))],
+                2
+            )
+            .is_empty()
+        );
+        // A failed node does not stop the rollout; a node without a GpuNode never waits.
+        let mut n1_failed = n1_done.clone();
+        n1_failed.status.as_mut().unwrap().mig.state = MigState::Failed;
+        assert_eq!(
+            holds(
+                &[("n1", Some(&n1_failed)), ("n2", Some(&o2)), ("n3", None)],
+                1
+            ),
+            BTreeSet::new()
+        );
+
+        // The pool says which nodes wait, and why.
+        let waiting = Member {
+            mig_waiting: true,
+            ..member("n2", Some(&o2))
+        };
+        let st = pool_status(&input(&p, vec![member("n1", Some(&n1_done)), waiting]));
+        assert_eq!(st.mig.pending, 1, "{:?}", st.mig);
+        assert!(
+            st.problems
+                .iter()
+                .any(|pr| pr.node == "n2" && pr.reason == "MIGRolloutWaiting"),
+            "{:?}",
+            st.problems
         );
     }
 
