@@ -8,16 +8,17 @@
 #[path = "operator_support.rs"]
 mod support;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, ensure};
 use gpupool_crds::GpuPool;
 use gpupool_crds::labels::MIG_RECONFIGURING_TAINT;
 use gpupool_crds::node::{GpuStatus, Idleness, MigState, PodRef};
 use gpupool_e2e::{Cluster, TestScope, crds, wait};
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::api::{DeleteParams, ListParams, PostParams};
-use kube::{Api, Client};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use support::*;
 
@@ -269,6 +270,147 @@ async fn draining_node_loses_its_gpu_pods_through_evictions_that_respect_pdbs() 
     })
     .await
     .with_context(|| op.log_tail())?;
+    delete_pool(&client, &pool).await?;
+    Ok(())
+}
+
+/// The pods of a Deployment named `app` on `node`, not being deleted.
+async fn app_pods_on(client: &Client, ns: &str, app: &str, node: &str) -> Result<Vec<Pod>> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    Ok(pods
+        .list(&ListParams::default().labels(&format!("app={app}")))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node))
+        .collect())
+}
+
+/// A MIG change on a node whose GPU pod belongs to a Deployment: the node is fenced before the
+/// eviction, so the Deployment's replacement is scheduled on another node of the pool instead
+/// of back onto the node being drained (where it would be evicted again, or hold up the
+/// change until the drain timeout).
+#[tokio::test]
+async fn a_drained_deployment_pod_comes_back_on_another_node() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "mig-redeploy")?;
+    let client = cluster.client().await?;
+    crds::install(cluster).await?;
+    let ns = scope.namespace();
+    let a = create_node(
+        cluster,
+        &scope,
+        &scope.name("a"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[],
+    )?;
+    let b = create_node(
+        cluster,
+        &scope,
+        &scope.name("b"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[],
+    )?;
+    let op = Operator::start(cluster, &scope, "only", &scope.name("lease"))?;
+    let pool = scope.name("pool");
+    apply_pool(&client, &scope, &pool, mig_pool_spec(&scope)).await?;
+    for node in [&a, &b] {
+        wait_gpunode(&client, node, |g| g.spec.mig.managed)
+            .await
+            .with_context(|| op.log_tail())?;
+        report_status(&client, node, |_| {}).await?;
+    }
+
+    wait_default_service_account(&client, &scope).await?;
+    // `b` is the less attractive node (most of its CPU taken), so that without the fence the
+    // scheduler would put the replacement back on `a`.
+    let filler: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": { "name": "filler" },
+        "spec": {
+            "nodeName": b,
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{
+                "name": "main",
+                "image": "registry.invalid/filler:1",
+                "resources": { "requests": { "cpu": "90" } },
+            }],
+        },
+    }))?;
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &filler)
+        .await?;
+    wait_running(&client, ns, "filler").await?;
+    // The Deployment's pod starts on `a` (b cordoned meanwhile).
+    let nodes: Api<Node> = Api::all(client.clone());
+    let cordon = |on: bool| json!({ "spec": { "unschedulable": on } });
+    nodes
+        .patch(&b, &PatchParams::default(), &Patch::Merge(&cordon(true)))
+        .await?;
+    let (k, v) = scope.label();
+    let deployment: Deployment = serde_json::from_value(json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": { "name": "train", "labels": { k: v } },
+        "spec": {
+            "replicas": 1,
+            "selector": { "matchLabels": { "app": "train" } },
+            "template": {
+                "metadata": { "labels": { "app": "train", k: v } },
+                "spec": {
+                    "nodeSelector": { k: v },
+                    "terminationGracePeriodSeconds": 0,
+                    "containers": [{
+                        "name": "main",
+                        "image": "registry.invalid/train:1",
+                        "resources": { "limits": { "nvidia.com/gpu": "1" } },
+                    }],
+                },
+            },
+        },
+    }))?;
+    Api::<Deployment>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &deployment)
+        .await?;
+    let first = wait::poll("the Deployment's pod running on a", REACT, POLL, || async {
+        Ok(app_pods_on(&client, ns, "train", &a)
+            .await?
+            .into_iter()
+            .find(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")))
+    })
+    .await?;
+    nodes
+        .patch(&b, &PatchParams::default(), &Patch::Merge(&cordon(false)))
+        .await?;
+
+    // The agent on `a` starts draining for a new layout.
+    report_status(&client, &a, |s| {
+        s.mig.state = MigState::Draining;
+        s.mig.reason = Some("WaitingForGPUPods".into());
+        s.mig.gpus = (0..8).collect();
+    })
+    .await?;
+    wait_evicted(&client, ns, &first.name_any())
+        .await
+        .with_context(|| op.log_tail())?;
+    wait::poll("the replacement running on b", REACT, POLL, || async {
+        Ok(app_pods_on(&client, ns, "train", &b)
+            .await?
+            .into_iter()
+            .find(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")))
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    ensure!(
+        app_pods_on(&client, ns, "train", &a).await?.is_empty(),
+        "a replacement landed back on the draining node"
+    );
+    report_status(&client, &a, |s| s.mig.state = MigState::Applied).await?;
+    Api::<Deployment>::namespaced(client.clone(), ns)
+        .delete("train", &DeleteParams::default())
+        .await?;
     delete_pool(&client, &pool).await?;
     Ok(())
 }

@@ -359,17 +359,10 @@ pub async fn delete_pool(client: &Client, name: &str) -> Result<()> {
 }
 
 /// Creates a pod on `node` holding one GPU (kwok runs it), with `annotations` and `labels`.
-pub async fn create_gpu_pod(
-    client: &Client,
-    scope: &TestScope,
-    name: &str,
-    node: Option<&str>,
-    gpus: u32,
-    annotations: &[(&str, &str)],
-    labels: &[(&str, &str)],
-) -> Result<Pod> {
-    // The service account admission plugin refuses pods until the namespace's `default`
-    // ServiceAccount exists, which the controller manager creates shortly after the namespace.
+/// Waits for the scope namespace's `default` ServiceAccount: the service account admission
+/// plugin refuses pods until the controller manager has created it, shortly after the
+/// namespace.
+pub async fn wait_default_service_account(client: &Client, scope: &TestScope) -> Result<()> {
     let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
         Api::namespaced(client.clone(), scope.namespace());
     wait::poll(
@@ -381,7 +374,19 @@ pub async fn create_gpu_pod(
             async move { Ok(accounts.get_opt("default").await?.map(|_| ())) }
         },
     )
-    .await?;
+    .await
+}
+
+pub async fn create_gpu_pod(
+    client: &Client,
+    scope: &TestScope,
+    name: &str,
+    node: Option<&str>,
+    gpus: u32,
+    annotations: &[(&str, &str)],
+    labels: &[(&str, &str)],
+) -> Result<Pod> {
+    wait_default_service_account(client, scope).await?;
     let (k, v) = scope.label();
     let mut label_map: BTreeMap<String, String> = labels
         .iter()

@@ -7,7 +7,7 @@ mod support;
 
 use std::collections::BTreeMap;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, ensure};
 use gpupool_crds::labels::{IDLE_SINCE_ANNOTATION, RECLAIM_AT_ANNOTATION};
 use gpupool_crds::node::{Activity, GpuStatus, Idleness, PodRef};
 use gpupool_crds::pool::ReclaimRecord;
@@ -307,6 +307,87 @@ async fn a_silent_agent_holds_reclaim_and_its_pool_says_so() -> Result<()> {
     };
     beating.abort();
     acted.with_context(|| op.log_tail())?;
+    delete_pool(&client, &pool).await?;
+    Ok(())
+}
+
+/// A node whose clock runs ten minutes behind reports a pod idle for two minutes. Read on the
+/// node's clock its `idleSince` is twelve minutes ago by the operator's clock, past the pool's
+/// five-minute `idleAfter`: without correction the pod would be warned ten minutes early. The
+/// operator measures the skew from the agent's heartbeats, reports it (`ClockSkew`) and reads
+/// the node's times on its own clock, so the pod is left alone; idle for an hour (node clock),
+/// it is warned.
+#[tokio::test]
+async fn a_node_clock_ten_minutes_behind_neither_acts_early_nor_goes_unreported() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "reclaim-skew")?;
+    let client = cluster.client().await?;
+    let (node, pool, op) = setup(cluster, &scope, &client, json!({})).await?;
+    let ns = scope.namespace();
+    let pod = running_gpu_pod(&client, &scope, "skewed", &node, &[], &[]).await?;
+    let behind = SignedDuration::from_mins(10);
+    let node_now = || {
+        Timestamp::now()
+            .checked_sub(behind)
+            .unwrap_or(Timestamp::UNIX_EPOCH)
+    };
+    let idle_for = |mins: i64| {
+        let mut g = gpu(0, &pod, Seen::Idle);
+        g.idleness.idle_since = Some(Time(
+            node_now()
+                .checked_sub(SignedDuration::from_mins(mins))
+                .unwrap_or(Timestamp::UNIX_EPOCH),
+        ));
+        g
+    };
+    let recent = idle_for(2);
+    // Two heartbeats on the node's clock; the second one gives the skew.
+    for _ in 0..2 {
+        let g = recent.clone();
+        report_status(&client, &node, move |s| {
+            s.gpus = vec![g];
+            s.heartbeat_time = Some(Time(node_now()));
+        })
+        .await?;
+        tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    }
+    let reported = wait_pool(&client, &pool, "the skew reported", |p| {
+        p.status.as_ref().is_some_and(|s| {
+            s.problems
+                .iter()
+                .any(|pr| pr.node == node && pr.reason == "ClockSkew")
+        })
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    let message = reported
+        .status
+        .iter()
+        .flat_map(|s| s.problems.iter())
+        .find(|pr| pr.reason == "ClockSkew")
+        .map(|pr| pr.message.clone())
+        .unwrap_or_default();
+    ensure!(message.contains("behind"), "{message}");
+    // Many reclaim passes: the pod, idle two minutes in truth, is not warned.
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    let now = pod_now(&client, ns, "skewed")
+        .await?
+        .context("the pod went")?;
+    ensure!(
+        !warned(&now),
+        "warned early, on the node's clock: {:?}",
+        now.annotations()
+    );
+    // Idle for an hour by the node's clock: now it is acted on.
+    let long = idle_for(60);
+    report_status(&client, &node, move |s| {
+        s.gpus = vec![long];
+        s.heartbeat_time = Some(Time(node_now()));
+    })
+    .await?;
+    wait_warned(&client, ns, "skewed")
+        .await
+        .with_context(|| op.log_tail())?;
     delete_pool(&client, &pool).await?;
     Ok(())
 }
