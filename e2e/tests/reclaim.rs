@@ -693,12 +693,28 @@ async fn a_new_leader_finishes_the_reclaim_without_repeating_it() -> Result<()> 
 /// Creates a one-pod Job on `node` whose pod holds one GPU and keeps running (kwok would
 /// otherwise complete it), and returns its pod once it runs, started an hour ago.
 async fn running_job_pod(client: &Client, scope: &TestScope, job: &str, node: &str) -> Result<Pod> {
+    running_labelled_job_pod(client, scope, job, node, &[]).await
+}
+
+/// [`running_job_pod`] with more labels on the Job.
+async fn running_labelled_job_pod(
+    client: &Client,
+    scope: &TestScope,
+    job: &str,
+    node: &str,
+    job_labels: &[(&str, &str)],
+) -> Result<Pod> {
     let (k, v) = scope.label();
     let ns = scope.namespace();
+    let mut labels = serde_json::Map::new();
+    labels.insert(k.to_owned(), json!(v));
+    for (lk, lv) in job_labels {
+        labels.insert((*lk).to_owned(), json!(lv));
+    }
     let manifest: Job = serde_json::from_value(json!({
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": { "name": job, "labels": { k: v } },
+        "metadata": { "name": job, "labels": labels },
         "spec": {
             "backoffLimit": 0,
             "template": {
@@ -826,6 +842,111 @@ async fn an_idle_job_pod_gets_its_job_suspended_at_the_deadline() -> Result<()> 
     .await?;
     let h = p.status.map(|s| s.reclaim.history).unwrap_or_default();
     assert_eq!(h.len(), 1, "{h:?}");
+    delete_pool(&client, &pool).await?;
+    Ok(())
+}
+
+/// A Job that Kueue manages (label `kueue.x-k8s.io/queue-name`) is not suspended: Kueue would
+/// unsuspend it. The operator deactivates its Workload instead (`spec.active: false`), which is
+/// how Kueue is told to stop a Workload and keep it stopped. A Workload CRD stands in for
+/// Kueue's (no Kueue controller runs: what is checked is what the operator writes).
+#[tokio::test]
+async fn a_kueue_job_is_stopped_through_its_workload_not_suspended() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "reclaim-kueue")?;
+    let client = cluster.client().await?;
+    let crd = r#"apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: workloads.kueue.x-k8s.io
+spec:
+  group: kueue.x-k8s.io
+  names: {kind: Workload, listKind: WorkloadList, plural: workloads, singular: workload}
+  scope: Namespaced
+  versions:
+    - name: v1beta1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}
+"#;
+    cluster
+        .kubectl()
+        .run_with_stdin(["apply", "-f", "-"], Some(crd))?;
+    cluster.kubectl().run([
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/workloads.kueue.x-k8s.io",
+    ])?;
+    let (node, pool, op) = setup(cluster, &scope, &client, json!({})).await?;
+    let ns = scope.namespace();
+    let pod = running_labelled_job_pod(
+        &client,
+        &scope,
+        "queued",
+        &node,
+        &[("kueue.x-k8s.io/queue-name", "gpu-queue")],
+    )
+    .await?;
+    let job = Api::<Job>::namespaced(client.clone(), ns)
+        .get("queued")
+        .await?;
+    let resource = kube::discovery::ApiResource {
+        group: "kueue.x-k8s.io".into(),
+        version: "v1beta1".into(),
+        api_version: "kueue.x-k8s.io/v1beta1".into(),
+        kind: "Workload".into(),
+        plural: "workloads".into(),
+    };
+    let workloads: Api<kube::api::DynamicObject> =
+        Api::namespaced_with(client.clone(), ns, &resource);
+    let workload: kube::api::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "kueue.x-k8s.io/v1beta1",
+        "kind": "Workload",
+        "metadata": {
+            "name": "job-queued",
+            "ownerReferences": [{
+                "apiVersion": "batch/v1", "kind": "Job", "name": "queued",
+                "uid": job.uid().unwrap_or_default(), "controller": true,
+            }],
+        },
+        "spec": { "active": true, "queueName": "gpu-queue" },
+    }))?;
+    workloads.create(&PostParams::default(), &workload).await?;
+    report_gpus(&client, &node, &[(&pod, Seen::Idle)]).await?;
+
+    wait::poll("the Workload deactivated", REACT, POLL, || async {
+        let w = workloads.get("job-queued").await?;
+        Ok((w.data["spec"]["active"] == json!(false)).then_some(()))
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    ensure!(
+        !job_suspended(&client, ns, "queued").await?,
+        "the Job was suspended, which Kueue would undo"
+    );
+    let record = wait_history(&client, &pool, "the action in history", |r| {
+        r.pod == format!("{ns}/{}", pod.name_any())
+    })
+    .await?;
+    assert_eq!(
+        (record.result.as_str(), record.owner.as_deref()),
+        ("Succeeded", Some("Job/queued")),
+        "{record:?}"
+    );
+    let event = wait::poll("Reclaimed Event on the pod", REACT, POLL, || async {
+        Ok(events_for(&client, ns, &pod.name_any())
+            .await?
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("Reclaimed")))
+    })
+    .await?;
+    let note = event.note.unwrap_or_default();
+    ensure!(
+        note.contains("deactivated Kueue Workload job-queued"),
+        "{note}"
+    );
     delete_pool(&client, &pool).await?;
     Ok(())
 }

@@ -11,7 +11,7 @@ use gpupool_crds::{GpuNode, GpuPool};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
@@ -38,6 +38,102 @@ fn rfc3339(t: Timestamp) -> String {
     Timestamp::from_second(t.as_second())
         .unwrap_or(t)
         .to_string()
+}
+
+/// The Job label by which Kueue manages a Job (its LocalQueue).
+pub const KUEUE_QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
+
+/// Deactivates the Kueue Workload of `job` (`spec.active: false`): Kueue then evicts it
+/// (suspending the Job itself) and does not queue it again until someone reactivates it.
+/// `None`: already inactive, nothing to do.
+async fn deactivate_workload(
+    job: &Job,
+    ctx: &Context,
+    dry: bool,
+    failures: &mut Failures,
+) -> Result<Option<Outcome>> {
+    let ns = job.namespace().unwrap_or_default();
+    let name = job.name_any();
+    let uid = job.uid().unwrap_or_default();
+    let failed = |message: String| {
+        Ok(Some(Outcome {
+            result: "Failed",
+            message,
+        }))
+    };
+    let group = match kube::discovery::group(&ctx.client, "kueue.x-k8s.io").await {
+        Ok(g) => g,
+        Err(e) => {
+            return failed(format!(
+                "Job {name} is Kueue's (label {KUEUE_QUEUE_LABEL}), but Kueue's API cannot be read ({e}); not suspending it, which Kueue would undo"
+            ));
+        }
+    };
+    let Some((resource, _)) = group.recommended_kind("Workload") else {
+        return failed(format!(
+            "Job {name} is Kueue's (label {KUEUE_QUEUE_LABEL}), but this cluster serves no Kueue Workload kind"
+        ));
+    };
+    let api: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), &ns, &resource);
+    let list = match api.list(&Default::default()).await {
+        Ok(l) => l,
+        Err(e) => {
+            failures.note(
+                "list",
+                "workloads",
+                format!("listing Kueue Workloads in {ns}"),
+                &e,
+            );
+            return failed(format!("listing Kueue Workloads failed: {e}"));
+        }
+    };
+    let Some(workload) = list
+        .items
+        .into_iter()
+        .find(|w| w.owner_references().iter().any(|o| o.uid == uid))
+    else {
+        return failed(format!(
+            "Job {name} is Kueue's (label {KUEUE_QUEUE_LABEL}), but no Workload owned by it was found; not suspending it, which Kueue would undo"
+        ));
+    };
+    if workload.data["spec"]["active"] == json!(false) {
+        return Ok(None);
+    }
+    let wl = workload.name_any();
+    let pp = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        dry_run: dry,
+        ..Default::default()
+    };
+    match api
+        .patch(
+            &wl,
+            &pp,
+            &Patch::Merge(&json!({ "spec": { "active": false } })),
+        )
+        .await
+    {
+        Ok(_) => {
+            if !dry {
+                ctx.metrics.write("Workload", "patch");
+            }
+            Ok(Some(Outcome {
+                result: "Succeeded",
+                message: format!(
+                    "deactivated Kueue Workload {wl} of Job {name} (spec.active: false): Kueue stops the Job and keeps it stopped until the Workload is reactivated"
+                ),
+            }))
+        }
+        Err(e) => {
+            failures.note(
+                "patch",
+                "workloads",
+                format!("deactivating Workload {ns}/{wl}"),
+                &e,
+            );
+            failed(format!("deactivating Kueue Workload {wl} failed: {e}"))
+        }
+    }
 }
 
 /// Other unfinished pods (the store holds no Succeeded or Failed ones) of `pod`'s Job.
@@ -346,6 +442,14 @@ async fn act(
                 Some(j) if j.spec.as_ref().and_then(|s| s.suspend) == Some(true) => {
                     // Already suspended (by us before a restart, or by its owner): nothing to do.
                     return Ok(false);
+                }
+                // Kueue admits the Jobs it queues by unsuspending them: suspending one would be
+                // undone. Its own way to stop a Workload for good is to deactivate it.
+                Some(j) if j.labels().contains_key(KUEUE_QUEUE_LABEL) => {
+                    match deactivate_workload(&j, ctx, dry, failures).await? {
+                        Some(outcome) => outcome,
+                        None => return Ok(false),
+                    }
                 }
                 Some(_) => {
                     let pp = PatchParams {
