@@ -672,6 +672,13 @@ fn trim_pod(pod: &mut Pod) {
     }
 }
 
+/// Logs a failed list or watch of `kind`: the watcher then starts over with a fresh list (an
+/// expired resource version, 410 Gone, included) after a backoff, and its cache stays as it
+/// was until that list arrives.
+fn watch_failed(kind: &'static str) -> impl Fn(&watcher::Error) {
+    move |e| info!(kind, error = %e, "watch failed; resuming with a fresh list")
+}
+
 fn trim_gpunode(gn: &mut GpuNode) {
     gn.metadata.managed_fields = None;
 }
@@ -752,6 +759,7 @@ pub async fn run(
     // Heartbeats are timed as the watch delivers them (see crate::liveness).
     let gn_stream = reflector(gn_writer, watcher(gn_api, cfg.clone()).modify(trim_gpunode))
         .default_backoff()
+        .inspect_err(watch_failed("GpuNode"))
         .touched_objects()
         .inspect_ok(move |gn: &GpuNode| {
             let heartbeat = gn
@@ -766,7 +774,8 @@ pub async fn run(
             node_writer,
             watcher(node_api, cfg.clone()).modify(trim_node),
         )
-        .default_backoff(),
+        .default_backoff()
+        .inspect_err(watch_failed("Node")),
     );
     let pod_stream = reflector(
         pod_writer,
@@ -778,9 +787,11 @@ pub async fn run(
         .modify(trim_pod),
     )
     .default_backoff()
+    .inspect_err(watch_failed("Pod"))
     .touched_objects();
     let ns_stream = reflector(ns_writer, watcher(ns_api, cfg.clone()))
         .default_backoff()
+        .inspect_err(watch_failed("Namespace"))
         .touched_objects();
 
     let pool_cfg = match &settings.pool_selector {
