@@ -119,6 +119,17 @@ pub enum AllocateError {
         /// The IDs and why each is unhealthy.
         ids: Vec<(String, String)>,
     },
+    /// More than one replica of a time-sliced resource for one container, where the pool
+    /// says such requests fail (they would get no more compute than one).
+    #[error(
+        "{resource} is time-sliced: {asked} replicas would give this container no more GPU than 1; request 1, or set the pool's sharing.timeSlicing.failRequestsGreaterThanOne to false"
+    )]
+    SharedRequestTooLarge {
+        /// The resource asked for.
+        resource: String,
+        /// How many replicas the container asked for.
+        asked: usize,
+    },
 }
 
 impl From<AllocateError> for tonic::Status {
@@ -126,6 +137,9 @@ impl From<AllocateError> for tonic::Status {
         match &err {
             AllocateError::Unknown { .. } => tonic::Status::invalid_argument(err.to_string()),
             AllocateError::Unhealthy { .. } => tonic::Status::failed_precondition(err.to_string()),
+            AllocateError::SharedRequestTooLarge { .. } => {
+                tonic::Status::invalid_argument(err.to_string())
+            }
         }
     }
 }
@@ -179,6 +193,21 @@ pub fn container_response(
             ids: unhealthy,
         });
     }
+    if devices.len() > 1
+        && devices.iter().any(|d| {
+            d.replica
+                .as_ref()
+                .is_some_and(|r| r.fail_requests_greater_than_one)
+        })
+    {
+        return Err(AllocateError::SharedRequestTooLarge {
+            resource: view.resource.to_string(),
+            asked: devices.len(),
+        });
+    }
+    // Replicas of one device are that device, once.
+    let mut seen = HashSet::new();
+    devices.retain(|d| seen.insert(d.underlying().clone()));
     let names: Vec<String> = devices
         .iter()
         .map(|d| options.cdi_kind.qualify(&d.cdi_name))
@@ -193,7 +222,7 @@ pub fn container_response(
         NVIDIA_VISIBLE_DEVICES.to_owned(),
         devices
             .iter()
-            .map(|d| d.id.as_str())
+            .map(|d| d.underlying().as_str())
             .collect::<Vec<_>>()
             .join(","),
     )]
@@ -368,6 +397,7 @@ mod tests {
             health: Health::Healthy,
             numa_node: numa,
             parent_gpu: gpu,
+            replica: None,
         }
     }
 
@@ -391,6 +421,73 @@ mod tests {
 
     fn s(ids: &[&str]) -> Vec<String> {
         ids.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    fn shared_view(fail_greater_than_one: bool) -> ResourceView {
+        let resources = std::collections::BTreeMap::from([(
+            "nvidia.com/gpu".parse().unwrap(),
+            vec![dev("GPU-0", 0, None, "0"), dev("GPU-1", 1, None, "1")],
+        )]);
+        let shared = crate::plugin::sharing::time_slice(
+            resources,
+            &crate::plugin::sharing::TimeSlicing {
+                replicas: 4,
+                rename_by_default: false,
+                fail_requests_greater_than_one: fail_greater_than_one,
+                gpus: None,
+                resources: None,
+            },
+        )
+        .unwrap();
+        let (name, devices) = shared.into_iter().next().unwrap();
+        ResourceView::new(name, 1, devices, Arc::default())
+    }
+
+    #[test]
+    fn a_replica_is_allocated_as_its_device() {
+        let view = shared_view(true);
+        let r = container_response(&view, &s(&["GPU-1::2"]), &AllocateOptions::default()).unwrap();
+        let names: Vec<&str> = r.cdi_devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["gpupool.io/gpu=1"]);
+        assert_eq!(r.envs[NVIDIA_VISIBLE_DEVICES], "GPU-1");
+    }
+
+    #[test]
+    fn more_than_one_replica_is_refused_or_given_each_device_once() {
+        let err = container_response(
+            &shared_view(true),
+            &s(&["GPU-0::0", "GPU-0::1"]),
+            &AllocateOptions::default(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            err,
+            AllocateError::SharedRequestTooLarge {
+                resource: "nvidia.com/gpu".into(),
+                asked: 2
+            }
+        );
+        assert!(
+            err.to_string().contains("failRequestsGreaterThanOne"),
+            "{err}"
+        );
+        // Allowed: two replicas of one GPU are that GPU once; of two GPUs, both.
+        let view = shared_view(false);
+        let r = container_response(
+            &view,
+            &s(&["GPU-0::0", "GPU-0::1"]),
+            &AllocateOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(r.cdi_devices.len(), 1);
+        assert_eq!(r.envs[NVIDIA_VISIBLE_DEVICES], "GPU-0");
+        let r = container_response(
+            &view,
+            &s(&["GPU-0::0", "GPU-1::3"]),
+            &AllocateOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(r.envs[NVIDIA_VISIBLE_DEVICES], "GPU-0,GPU-1");
     }
 
     #[test]

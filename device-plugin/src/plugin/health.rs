@@ -283,7 +283,8 @@ impl HealthTracker {
         let mut out = base.clone();
         for devices in out.resources.values_mut() {
             for device in devices.iter_mut() {
-                device.health = self.device_health(&device.id, device.parent_gpu);
+                // A replica is as healthy as the device it shares.
+                device.health = self.device_health(device.underlying(), device.parent_gpu);
             }
         }
         out
@@ -688,6 +689,7 @@ mod tests {
             health: Health::Healthy,
             numa_node: None,
             parent_gpu: 0,
+            replica: None,
         };
         Advertisement {
             resources: [("nvidia.com/gpu".parse().unwrap(), vec![device])]

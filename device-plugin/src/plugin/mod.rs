@@ -48,6 +48,7 @@ pub mod metrics;
 pub mod model;
 pub mod resources;
 mod server;
+pub mod sharing;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 

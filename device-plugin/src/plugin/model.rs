@@ -227,6 +227,15 @@ pub struct AdvertisedDevice {
     pub numa_node: Option<i64>,
     /// Index of the parent GPU (the GPU itself for whole GPUs).
     pub parent_gpu: u32,
+    /// Set when this is a time-slicing replica of another device ([`super::sharing`]).
+    pub replica: Option<super::sharing::Replica>,
+}
+
+impl AdvertisedDevice {
+    /// The device this one is (itself, or the device a replica shares).
+    pub fn underlying(&self) -> &DeviceId {
+        self.replica.as_ref().map_or(&self.id, |r| &r.of)
+    }
 }
 
 /// How two GPUs are connected, best first when compared with [`LinkKind::rank`].

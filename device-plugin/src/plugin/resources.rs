@@ -221,6 +221,7 @@ fn whole_gpu(gpu: &GpuDescription, naming: CdiNaming) -> Result<AdvertisedDevice
         health: Health::Healthy,
         numa_node: gpu.numa_node,
         parent_gpu: gpu.index,
+        replica: None,
     })
 }
 
@@ -235,6 +236,7 @@ fn mig_device(
         health: Health::Healthy,
         numa_node: gpu.numa_node,
         parent_gpu: gpu.index,
+        replica: None,
     })
 }
 
