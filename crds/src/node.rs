@@ -1,6 +1,6 @@
 //! The `GpuNode` resource: one per GPU node, spec from the operator, status from the node agent.
 
-use crate::policy::{CdiPolicy, DriverCheck, DriverPolicy, MigStrategy};
+use crate::policy::{CdiPolicy, DriverCheck, DriverPolicy, MigStrategy, SharingPolicy};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::CustomResource;
 use kube::core::Duration;
@@ -49,6 +49,14 @@ pub struct GpuNodeSpec {
     /// What the agent needs of the pool's reclaim policy.
     #[serde(default)]
     pub utilization: UtilizationSpec,
+
+    /// The pool's sharing for this node (`models` already resolved against its GPUs).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub sharing: SharingPolicy,
+}
+
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
 }
 
 /// The MIG layout for one node, GPU by GPU.
@@ -175,6 +183,19 @@ pub struct GpuNodeStatus {
     /// node problems).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub heartbeat_time: Option<Time>,
+}
+
+/// How a GPU is shared, and what that isolates.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuSharing {
+    /// `TimeSlicing`.
+    pub mode: String,
+    /// Pods per device.
+    pub replicas: u32,
+    /// What keeps the pods sharing a device apart: `None` for time-slicing (shared memory and
+    /// faults: one pod can run the others out of memory), `Hardware` between MIG devices.
+    pub isolation: String,
 }
 
 /// One driver check.
@@ -407,6 +428,9 @@ pub struct GpuStatus {
     /// MIG devices.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mig_devices: Vec<MigDeviceStatus>,
+    /// How the GPU (or its MIG devices) is shared between pods; absent: one pod per device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharing: Option<GpuSharing>,
     /// Idleness (whole GPU; MIG devices carry their own).
     #[serde(default, flatten)]
     pub idleness: Idleness,

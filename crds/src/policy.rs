@@ -398,6 +398,73 @@ pub struct MigLayoutEntry {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Sharing
+// ---------------------------------------------------------------------------------------------
+
+/// Sharing GPUs between pods. Absent: every GPU (and MIG device) goes to one pod at a time.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SharingPolicy {
+    /// Time-slicing: each selected device is advertised `replicas` times and the pods given
+    /// its replicas take turns on it. No isolation: they share the GPU's memory (one can run
+    /// the others out of memory) and its faults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_slicing: Option<TimeSlicingPolicy>,
+}
+
+/// Time-slicing, as NVIDIA's device plugin configures it (`sharing.timeSlicing`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TimeSlicingPolicy {
+    /// Pods per shared device, 2–64 (NVIDIA's `resources[].replicas`).
+    #[schemars(range(min = 2, max = 64))]
+    pub replicas: u32,
+
+    /// Advertise shared capacity under `<resource>.shared` (e.g. `nvidia.com/gpu.shared`) so
+    /// quotas and pod specs can tell it from whole devices (NVIDIA's `renameByDefault`).
+    #[serde(default)]
+    pub rename_by_default: bool,
+
+    /// Refuse a container that asks for more than one replica: two replicas of a time-sliced
+    /// GPU give it no more compute than one (NVIDIA's `failRequestsGreaterThanOne`).
+    #[serde(default = "default_true")]
+    pub fail_requests_greater_than_one: bool,
+
+    /// The resources to share, e.g. `[nvidia.com/gpu]` or `[nvidia.com/mig-1g.10gb]`. Absent:
+    /// all that the node advertises.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 16),
+        inner(
+            length(max = 63),
+            regex(pattern = r"^nvidia\.com/(gpu|mig-[0-9]+g\.[0-9]+gb(\.[a-z0-9]+)*)$")
+        )
+    )]
+    #[x_kube(validation = kube::core::Rule::new("self.all(r, self.exists_one(x, x == r))")
+        .message("sharing.timeSlicing.resources lists a resource twice"))]
+    pub resources: Option<Vec<String>>,
+
+    /// Only these GPU indices (and the MIG devices on them). Absent: every GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 16), inner(range(max = 63)))]
+    #[x_kube(validation = kube::core::Rule::new("self.all(g, self.exists_one(x, x == g))")
+        .message("sharing.timeSlicing.gpus lists a GPU index twice"))]
+    pub gpus: Option<Vec<u32>>,
+
+    /// Only nodes whose GPUs are one of these products, as in the `nvidia.com/gpu.product`
+    /// label (e.g. `NVIDIA-L4`). Absent: every model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 16),
+        inner(
+            length(max = 63),
+            regex(pattern = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+        )
+    )]
+    pub models: Option<Vec<String>>,
+}
+
+// ---------------------------------------------------------------------------------------------
 // Reclaim
 // ---------------------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 //! The `GpuPool` resource: a set of GPU nodes and the policies they follow.
 
-use crate::policy::{CdiPolicy, DriverPolicy, MigPolicy, ReclaimPolicy};
+use crate::policy::{CdiPolicy, DriverPolicy, MigPolicy, ReclaimPolicy, SharingPolicy};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"GPUs","type":"integer","description":"GPUs on the pool's nodes","jsonPath":".status.gpus.total"}"#,
     printcolumn = r#"{"name":"Healthy","type":"integer","description":"Healthy GPUs","jsonPath":".status.gpus.healthy"}"#,
     printcolumn = r#"{"name":"MIG","type":"string","description":"MIG layout and nodes applied","jsonPath":".status.mig.summary"}"#,
+    printcolumn = r#"{"name":"Sharing","type":"string","description":"How GPUs are shared between pods","jsonPath":".status.sharing"}"#,
     printcolumn = r#"{"name":"Driver","type":"string","description":"Driver versions seen","jsonPath":".status.driver"}"#,
     printcolumn = r#"{"name":"Reclaimed","type":"integer","description":"Idle pods reclaimed","jsonPath":".status.reclaim.reclaimed"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
@@ -65,6 +66,10 @@ pub struct GpuPoolSpec {
     #[serde(default)]
     pub mig: MigPolicy,
 
+    /// Sharing GPUs between pods (time-slicing). Absent: one pod per device.
+    #[serde(default)]
+    pub sharing: SharingPolicy,
+
     /// Idle-job reclamation.
     #[serde(default)]
     pub reclaim: ReclaimPolicy,
@@ -105,6 +110,10 @@ pub struct GpuPoolStatus {
     /// MIG rollout progress.
     #[serde(default)]
     pub mig: MigProgress,
+
+    /// How the pool shares its GPUs, e.g. `TimeSlicing x4` (isolation: none), or `Exclusive`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharing: Option<String>,
 
     /// Reclaim counters and recent actions.
     #[serde(default)]

@@ -107,6 +107,7 @@ impl GpuNodeHost {
         let mut gn = GpuNode::new(
             node,
             GpuNodeSpec {
+                sharing: Default::default(),
                 pool: scope.prefix().to_owned(),
                 driver: DriverPolicy {
                     min_version: Some("550".into()),

@@ -249,6 +249,7 @@ async fn fresh_gpunode(
 
 fn base_spec(pool: &str) -> GpuNodeSpec {
     GpuNodeSpec {
+        sharing: Default::default(),
         pool: pool.to_owned(),
         driver: DriverPolicy {
             min_version: Some("550".into()),

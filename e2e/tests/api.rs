@@ -407,6 +407,7 @@ async fn kubectl_prints_the_printer_columns() -> Result<()> {
     let mut node = GpuNode::new(
         &node_name,
         GpuNodeSpec {
+            sharing: Default::default(),
             pool: pool_name.clone(),
             driver: Default::default(),
             cdi: Default::default(),

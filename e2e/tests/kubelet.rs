@@ -245,6 +245,7 @@ async fn real_kubelet_admits_gpu_pods_through_the_plugin() -> Result<()> {
     let mut gn = GpuNode::new(
         &node,
         GpuNodeSpec {
+            sharing: Default::default(),
             pool: scope.prefix().to_owned(),
             driver: DriverPolicy {
                 min_version: Some("550".into()),

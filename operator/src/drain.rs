@@ -191,6 +191,7 @@ mod tests {
         let mut gn = GpuNode::new(
             "n1",
             gpupool_crds::GpuNodeSpec {
+                sharing: Default::default(),
                 pool: "p".into(),
                 driver: Default::default(),
                 cdi: Default::default(),

@@ -8,7 +8,7 @@ use gpupool_crds::labels::{DRIVER_INVALID_TAINT, MIG_RECONFIGURING_TAINT, POOL_L
 use gpupool_crds::node::{
     CDI_SPEC_READY, GpuNode, GpuNodeSpec, Health, MigState, NodeMigSpec, UtilizationSpec, Verdict,
 };
-use gpupool_crds::policy::OnFailure;
+use gpupool_crds::policy::{OnFailure, SharingPolicy, TimeSlicingPolicy};
 use gpupool_crds::pool::{
     DriverVersionCount, GpuCounts, GpuPool, GpuPoolStatus, MigProgress, NodeProblem, ReclaimStatus,
 };
@@ -135,6 +135,30 @@ pub fn mig_rollout_holds<'a>(
     holds
 }
 
+/// The pool's sharing as one node gets it: time-slicing limited to some GPU models applies to
+/// a node only when its `nvidia.com/gpu.product` label is one of them (then the list is
+/// dropped: the node's agent has nothing more to match).
+pub fn node_sharing(
+    sharing: &SharingPolicy,
+    node_labels: &BTreeMap<String, String>,
+) -> SharingPolicy {
+    let product = node_labels.get("nvidia.com/gpu.product");
+    SharingPolicy {
+        time_slicing: sharing
+            .time_slicing
+            .as_ref()
+            .filter(|ts| {
+                ts.models
+                    .as_ref()
+                    .is_none_or(|models| product.is_some_and(|p| models.contains(p)))
+            })
+            .map(|ts| TimeSlicingPolicy {
+                models: None,
+                ..ts.clone()
+            }),
+    }
+}
+
 /// The GpuNode a node of `pool` should have, and a layout problem if the pool's MIG layout
 /// does not fit the node's GPUs.
 pub fn desired_gpunode(
@@ -152,6 +176,7 @@ pub fn desired_gpunode(
             idle_threshold: pool.spec.reclaim.idle_threshold,
             ..UtilizationSpec::default()
         },
+        sharing: node_sharing(&pool.spec.sharing, node_labels),
     };
     let mut gn = GpuNode::new(node_name, spec);
     gn.metadata = ObjectMeta {
@@ -726,10 +751,29 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
             .map(|(version, nodes)| DriverVersionCount { version, nodes })
             .collect(),
         mig,
+        sharing: Some(sharing_summary(&pool.spec.sharing)),
         reclaim: input.reclaim.clone(),
         conditions,
         problems,
     }
+}
+
+/// The pool's `SHARING` column: `Exclusive`, or `TimeSlicing x<n>` (with the models or GPU
+/// indices it is limited to) and its isolation, none.
+pub fn sharing_summary(sharing: &SharingPolicy) -> String {
+    let Some(ts) = &sharing.time_slicing else {
+        return "Exclusive".into();
+    };
+    let mut s = format!("TimeSlicing x{}", ts.replicas);
+    if let Some(models) = &ts.models {
+        s.push_str(&format!(" on {}", models.join(",")));
+    }
+    if let Some(gpus) = &ts.gpus {
+        let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
+        s.push_str(&format!(" on GPU {}", list.join(",")));
+    }
+    s.push_str(" (isolation: none)");
+    s
 }
 
 /// Whether a failure keeps the pool's nodes from their desired state (GpuNodes, node labels
@@ -867,6 +911,7 @@ pub(crate) mod tests {
         let mut p = GpuPool::new(
             name,
             GpuPoolSpec {
+                sharing: Default::default(),
                 node_selector: LabelSelector {
                     match_labels: Some(
                         match_labels
@@ -1383,6 +1428,45 @@ pub(crate) mod tests {
             "{:?}",
             st.problems
         );
+    }
+
+    #[test]
+    fn time_slicing_reaches_the_nodes_of_its_models_and_shows_in_the_status() {
+        let ts = TimeSlicingPolicy {
+            replicas: 4,
+            rename_by_default: false,
+            fail_requests_greater_than_one: true,
+            resources: None,
+            gpus: None,
+            models: Some(vec!["NVIDIA-L4".into()]),
+        };
+        let sharing = SharingPolicy {
+            time_slicing: Some(ts.clone()),
+        };
+        let l4 = labels(&[("nvidia.com/gpu.product", "NVIDIA-L4")]);
+        let h100 = labels(&[("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3")]);
+        let on_l4 = node_sharing(&sharing, &l4);
+        assert_eq!(
+            on_l4.time_slicing,
+            Some(TimeSlicingPolicy {
+                models: None,
+                ..ts.clone()
+            })
+        );
+        assert_eq!(node_sharing(&sharing, &h100), SharingPolicy::default());
+        assert_eq!(
+            node_sharing(&sharing, &labels(&[])),
+            SharingPolicy::default()
+        );
+        assert_eq!(
+            sharing_summary(&sharing),
+            "TimeSlicing x4 on NVIDIA-L4 (isolation: none)"
+        );
+        assert_eq!(sharing_summary(&SharingPolicy::default()), "Exclusive");
+        let mut p = pool("infer", "2026-01-01T00:00:00Z", &[]);
+        p.spec.sharing = sharing;
+        let (gn, _) = desired_gpunode(&p, "n1", &l4);
+        assert_eq!(gn.spec.sharing.time_slicing.map(|t| t.replicas), Some(4));
     }
 
     #[test]

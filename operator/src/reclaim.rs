@@ -983,6 +983,7 @@ mod tests {
         let mut gn = GpuNode::new(
             "n",
             gpupool_crds::GpuNodeSpec {
+                sharing: Default::default(),
                 pool: "p".into(),
                 driver: Default::default(),
                 cdi: Default::default(),

@@ -4,10 +4,13 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use gpupool_crds::policy::{CdiDeviceNameStrategy, MigStrategy as CrdMigStrategy};
+use gpupool_crds::policy::{
+    CdiDeviceNameStrategy, MigStrategy as CrdMigStrategy, SharingPolicy, TimeSlicingPolicy,
+};
 
 use crate::backend::{self, GpuBackend, PcieLink};
 use crate::inventory::Inventory;
+use crate::plugin::sharing;
 use crate::plugin::{
     self, Advertisement, CdiNaming, GpuDescription, LinkKind, MigDescription, Topology,
 };
@@ -23,11 +26,28 @@ pub fn cdi_naming(strategies: &[CdiDeviceNameStrategy]) -> CdiNaming {
     }
 }
 
-/// The devices per resource the kubelet plugins should advertise.
+/// The plugin's time-slicing from the GpuNode's (resource names that do not parse are left out
+/// of the selection: admission allows only valid ones).
+fn time_slicing(ts: &TimeSlicingPolicy) -> sharing::TimeSlicing {
+    sharing::TimeSlicing {
+        replicas: ts.replicas,
+        rename_by_default: ts.rename_by_default,
+        fail_requests_greater_than_one: ts.fail_requests_greater_than_one,
+        gpus: ts.gpus.as_ref().map(|g| g.iter().copied().collect()),
+        resources: ts
+            .resources
+            .as_ref()
+            .map(|r| r.iter().filter_map(|n| n.parse().ok()).collect()),
+    }
+}
+
+/// The devices per resource the kubelet plugins should advertise, time-sliced as `sharing`
+/// says.
 pub fn advertisement(
     inventory: &Inventory,
     strategy: CrdMigStrategy,
     naming: &[CdiDeviceNameStrategy],
+    sharing: &SharingPolicy,
     topology: Arc<Topology>,
 ) -> Advertisement {
     let gpus: Vec<GpuDescription> = inventory
@@ -55,13 +75,20 @@ pub fn advertisement(
         CrdMigStrategy::Single => plugin::MigStrategy::Single,
         CrdMigStrategy::Mixed => plugin::MigStrategy::Mixed,
     };
-    let resources = match plugin::resource_sets(&gpus, strategy, cdi_naming(naming)) {
+    let mut resources = match plugin::resource_sets(&gpus, strategy, cdi_naming(naming)) {
         Ok(r) => r,
         Err(e) => {
             tracing::warn!(error = %e, "cannot advertise devices for this MIG strategy");
             BTreeMap::new()
         }
     };
+    if let Some(ts) = sharing.time_slicing.as_ref().map(time_slicing) {
+        match sharing::time_slice(resources.clone(), &ts) {
+            Ok(shared) => resources = shared,
+            // Only an ID too long for the kubelet gets here: those devices stay whole.
+            Err(e) => tracing::warn!(error = %e, "cannot time-slice; advertising whole devices"),
+        }
+    }
     Advertisement {
         resources,
         topology,

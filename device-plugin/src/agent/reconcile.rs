@@ -174,6 +174,7 @@ impl NodeState {
                 inv,
                 spec.mig.strategy,
                 &spec.cdi.device_name_strategies,
+                &spec.sharing,
                 self.topology.clone(),
             );
             layout_tx.send_if_modified(|cur| {

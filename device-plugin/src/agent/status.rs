@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 
 use gpupool_crds::conditions::Observed;
 use gpupool_crds::node::{
-    CdiStatus, CheckResult, GpuNode, GpuNodeStatus, GpuStatus, Health as StatusHealth, Idleness,
-    MigDeviceStatus, NodeMigStatus, PodRef, Verdict,
+    CdiStatus, CheckResult, GpuNode, GpuNodeStatus, GpuSharing, GpuStatus, Health as StatusHealth,
+    Idleness, MigDeviceStatus, NodeMigStatus, PodRef, Verdict,
 };
+use gpupool_crds::policy::{MigStrategy as CrdMigStrategy, SharingPolicy};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
@@ -39,6 +40,45 @@ fn to_status(h: Option<&Health>) -> (StatusHealth, Option<String>) {
         Some(Health::Unhealthy { reason }) => (StatusHealth::Unhealthy, Some(reason.clone())),
         _ => (StatusHealth::Healthy, None),
     }
+}
+
+/// `gpus` with each time-sliced GPU's sharing named: the GPU is shared when the time-slicing
+/// selects its index and a resource it is advertised under (`nvidia.com/gpu` for a whole GPU or
+/// under the single strategy, `nvidia.com/mig-<profile>` for its MIG devices).
+pub fn with_sharing(
+    mut gpus: Vec<GpuStatus>,
+    sharing: &SharingPolicy,
+    strategy: CrdMigStrategy,
+) -> Vec<GpuStatus> {
+    let Some(ts) = &sharing.time_slicing else {
+        return gpus;
+    };
+    for gpu in &mut gpus {
+        if ts.gpus.as_ref().is_some_and(|g| !g.contains(&gpu.index)) {
+            continue;
+        }
+        let resources: Vec<String> =
+            if gpu.mig_devices.is_empty() || strategy != CrdMigStrategy::Mixed {
+                vec!["nvidia.com/gpu".to_owned()]
+            } else {
+                gpu.mig_devices
+                    .iter()
+                    .map(|m| format!("nvidia.com/mig-{}", m.profile.replace('+', ".")))
+                    .collect()
+            };
+        let selected = ts
+            .resources
+            .as_ref()
+            .is_none_or(|wanted| resources.iter().any(|r| wanted.contains(r)));
+        if selected {
+            gpu.sharing = Some(GpuSharing {
+                mode: "TimeSlicing".into(),
+                replicas: ts.replicas,
+                isolation: "None".into(),
+            });
+        }
+    }
+    gpus
 }
 
 /// The `gpus` list of GpuNode status. MIG devices' `cdiName` is `cdi_kind` qualifying the name
@@ -116,6 +156,7 @@ pub fn gpu_statuses(
                     .filter(|m| m.pending != m.current)
                     .map(|m| m.pending),
                 mig_devices,
+                sharing: None,
                 idleness: if g.mig_enabled() {
                     Idleness::default()
                 } else {
@@ -198,13 +239,17 @@ pub fn build_status(
         Some(Ok(inv)) => (
             Some(inv.driver.driver_version.clone()),
             Some(inv.driver.cuda_version.to_string()),
-            gpu_statuses(
-                inv,
-                inputs.health,
-                inputs.idle,
-                inputs.pods,
-                &kind,
-                cdi_naming(&spec.cdi.device_name_strategies),
+            with_sharing(
+                gpu_statuses(
+                    inv,
+                    inputs.health,
+                    inputs.idle,
+                    inputs.pods,
+                    &kind,
+                    cdi_naming(&spec.cdi.device_name_strategies),
+                ),
+                &spec.sharing,
+                spec.mig.strategy,
             ),
         ),
         _ => (None, None, Vec::new()),
@@ -385,6 +430,62 @@ mod tests {
     use gpupool_crds::policy::{CdiDeviceNameStrategy, MigStrategy as CrdMigStrategy};
     use gpupool_mig_catalog as catalog;
     use std::sync::Arc;
+
+    #[test]
+    fn time_sliced_gpus_name_their_sharing_and_isolation() {
+        use gpupool_crds::policy::TimeSlicingPolicy;
+        let gpu = |index: u32, migs: &[&str]| GpuStatus {
+            index,
+            mig_devices: migs
+                .iter()
+                .map(|p| MigDeviceStatus {
+                    profile: (*p).into(),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let gpus = vec![gpu(0, &[]), gpu(1, &[]), gpu(2, &["1g.10gb", "1g.10gb"])];
+        let ts = |gpus: Option<Vec<u32>>, resources: Option<Vec<&str>>| SharingPolicy {
+            time_slicing: Some(TimeSlicingPolicy {
+                replicas: 3,
+                rename_by_default: false,
+                fail_requests_greater_than_one: true,
+                resources: resources.map(|r| r.into_iter().map(str::to_owned).collect()),
+                gpus,
+                models: None,
+            }),
+        };
+        let shared = |out: Vec<GpuStatus>| -> Vec<u32> {
+            out.iter()
+                .filter(|g| g.sharing.is_some())
+                .map(|g| g.index)
+                .collect()
+        };
+        let all = with_sharing(gpus.clone(), &ts(None, None), CrdMigStrategy::Mixed);
+        assert_eq!(shared(all.clone()), [0, 1, 2]);
+        assert_eq!(
+            all[0].sharing,
+            Some(GpuSharing {
+                mode: "TimeSlicing".into(),
+                replicas: 3,
+                isolation: "None".into()
+            })
+        );
+        let some = ts(Some(vec![1, 2]), Some(vec!["nvidia.com/mig-1g.10gb"]));
+        assert_eq!(
+            shared(with_sharing(gpus.clone(), &some, CrdMigStrategy::Mixed)),
+            [2]
+        );
+        assert!(
+            shared(with_sharing(
+                gpus,
+                &SharingPolicy::default(),
+                CrdMigStrategy::Mixed
+            ))
+            .is_empty()
+        );
+    }
 
     #[test]
     fn conditions_keep_transition_time_until_status_changes() {
@@ -786,6 +887,7 @@ mod tests {
                 &inv,
                 CrdMigStrategy::Mixed,
                 &strategies,
+                &Default::default(),
                 Arc::new(Topology::new()),
             );
             let statuses = gpu_statuses(

@@ -28,6 +28,7 @@ pub fn gpunode(name: &str) -> gpupool_crds::GpuNode {
     gpupool_crds::GpuNode::new(
         name,
         gpupool_crds::GpuNodeSpec {
+            sharing: Default::default(),
             pool: "p".into(),
             driver: Default::default(),
             cdi: Default::default(),
