@@ -61,7 +61,13 @@ pub async fn list_pod_devices(
                     continue;
                 }
                 for id in devices.device_ids {
-                    let holders = out.entry(id).or_default();
+                    // A time-slicing replica (`<device>::<n>`) is held on its device: the pods
+                    // sharing a GPU are all that GPU's holders.
+                    let device = match id.split_once(crate::plugin::sharing::REPLICA_SEPARATOR) {
+                        Some((device, _)) => device.to_owned(),
+                        None => id,
+                    };
+                    let holders = out.entry(device).or_default();
                     let r = PodRef {
                         namespace: pod.namespace.clone(),
                         name: pod.name.clone(),

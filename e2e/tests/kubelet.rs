@@ -18,7 +18,10 @@
 //!   returns and a new pod is admitted; the gaps are printed;
 //! - a MIG layout change takes the old `nvidia.com/mig-*` resource's count to 0 in capacity and
 //!   allocatable (the kubelet keeps a device-plugin resource's name at 0 once it has seen it), and
-//!   no stale count comes back when the kubelet restarts.
+//!   no stale count comes back when the kubelet restarts;
+//! - time-slicing GPU 1 four ways: capacity 4, four pods admitted on its CDI device and
+//!   reported on it as shared (isolation None), a fifth Pending, a request for two replicas
+//!   refused at admission with the reason.
 //!
 //! Opt-in: runs when `GPUPOOL_E2E_KUBELET=1`; otherwise (or when `e2e/kubelet check` says this
 //! machine cannot run a kubelet) it prints why and passes without doing anything.
@@ -196,6 +199,149 @@ fn since(later: SystemTime, earlier: SystemTime) -> String {
         Ok(d) => format!("{:.3}s", d.as_secs_f64()),
         Err(e) => format!("-{:.3}s", e.duration().as_secs_f64()),
     }
+}
+
+/// Step 8: GPU 1 time-sliced four ways. Capacity becomes 4; four pods are admitted, each
+/// container given GPU 1's CDI device and UUID; the agent reports all four on GPU 1, shared with
+/// isolation `None`; a fifth pod stays Pending; a pod asking for two replicas is refused by the
+/// plugin's Allocate with the reason (failRequestsGreaterThanOne).
+async fn time_slicing(
+    client: &Client,
+    scope: &TestScope,
+    kubelet: &RealKubelet,
+    agent: &Agent,
+    gpunodes: &Api<GpuNode>,
+) -> Result<()> {
+    let node = &kubelet.node;
+    let patch = json!({"spec": {"sharing": {"timeSlicing": {
+        "replicas": 4, "gpus": [1], "resources": [GPU],
+    }}}});
+    gpunodes
+        .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    wait_node_resources(
+        client,
+        node,
+        "GPU 1 as four replicas",
+        Duration::from_secs(60),
+        &[(GPU, Some(4), Some(4))],
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let gn = gpunodes.get(node).await?;
+    let uuid = gn
+        .status
+        .as_ref()
+        .and_then(|s| s.gpus.get(1))
+        .map(|g| g.uuid.clone())
+        .context("no GPU 1 in status")?;
+    let want = format!("gpupool.io/gpu={uuid}");
+    let names: Vec<String> = (0..4).map(|i| scope.name(&format!("shared-{i}"))).collect();
+    for name in &names {
+        create_pod(client, scope, &gpu_pod(scope, name, node, GPU, 1)?).await?;
+    }
+    for name in &names {
+        wait_pod(
+            client,
+            scope,
+            name,
+            &format!("{name} Running"),
+            Duration::from_secs(60),
+            |p| phase(p) == "Running",
+        )
+        .await?;
+        let creates = kubelet.creates_of(scope.namespace(), name)?;
+        ensure!(creates.len() == 1, "{name}: {creates:?}");
+        let (cdi, _, visible) = recorded_devices(&creates[0]);
+        ensure!(
+            cdi == [want.clone()] && visible.as_deref() == Some(uuid.as_str()),
+            "{name}: CDI devices {cdi:?}, NVIDIA_VISIBLE_DEVICES {visible:?}; want {want} and {uuid}"
+        );
+    }
+    let status = wait_status(
+        client,
+        node,
+        "the four pods reported on GPU 1, shared",
+        Duration::from_secs(60),
+        |s| {
+            s.gpus.get(1).is_some_and(|g| {
+                g.sharing.is_some()
+                    && names
+                        .iter()
+                        .all(|n| g.idleness.pods.iter().any(|p| &p.name == n))
+            })
+        },
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let sharing = status
+        .status
+        .and_then(|s| s.gpus.get(1).and_then(|g| g.sharing.clone()));
+    ensure!(
+        sharing
+            .as_ref()
+            .is_some_and(|s| s.mode == "TimeSlicing" && s.replicas == 4 && s.isolation == "None"),
+        "GPU 1 sharing in status: {sharing:?}"
+    );
+    eprintln!("e2e: GPU 1 time-sliced: four pods admitted on {want}");
+
+    // A fifth finds no replica free.
+    let fifth = scope.name("shared-4");
+    create_pod(client, scope, &gpu_pod(scope, &fifth, node, GPU, 1)?).await?;
+    wait_pod(
+        client,
+        scope,
+        &fifth,
+        "the fifth pod unschedulable",
+        Duration::from_secs(60),
+        |p| {
+            p.status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|c| {
+                    c.iter().any(|c| {
+                        c.type_ == "PodScheduled" && c.reason.as_deref() == Some("Unschedulable")
+                    })
+                })
+        },
+    )
+    .await?;
+    delete_pod_and_wait(client, scope, &fifth).await?;
+
+    // Two replicas for one container: scheduled (two are free), refused at admission.
+    for name in &names[..2] {
+        delete_pod_and_wait(client, scope, name).await?;
+    }
+    let greedy = scope.name("two-replicas");
+    create_pod(client, scope, &gpu_pod(scope, &greedy, node, GPU, 2)?).await?;
+    let refused = wait_pod(
+        client,
+        scope,
+        &greedy,
+        "the two-replica pod refused",
+        Duration::from_secs(60),
+        |p| phase(p) == "Failed",
+    )
+    .await?;
+    let message = refused
+        .status
+        .as_ref()
+        .and_then(|s| s.message.clone())
+        .unwrap_or_default();
+    ensure!(
+        message.contains("time-sliced") && message.contains("failRequestsGreaterThanOne"),
+        "the refusal does not say why: {:?}",
+        refused.status
+    );
+    eprintln!("e2e: a request for 2 replicas refused: {message}");
+    for name in names[2..].iter().chain([&greedy]) {
+        delete_pod_and_wait(client, scope, name).await?;
+    }
+    let patch = json!({"spec": {"sharing": null}});
+    gpunodes
+        .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    Ok(())
 }
 
 #[tokio::test]
@@ -486,6 +632,9 @@ async fn real_kubelet_admits_gpu_pods_through_the_plugin() -> Result<()> {
         "e2e: GPU 1 back in allocatable {:.0}s after the reset",
         reset_at.elapsed().as_secs_f64()
     );
+
+    // 8. GPU 1 time-sliced four ways.
+    time_slicing(&client, &scope, &kubelet, &agent, &gpunodes).await?;
     let _ = fs::remove_dir_all(&dir);
     drop(agent);
     Ok(())
