@@ -251,7 +251,7 @@ spec:
     mode: DryRun
     idleAfter: 1h
 ---
-# L4 serving node: whole GPUs, every check on.
+# L4 serving node: every check on, each GPU time-sliced between four pods (no isolation).
 apiVersion: gpupool.io/v1alpha1
 kind: GpuPool
 metadata:
@@ -262,6 +262,9 @@ spec:
       nvidia.com/gpu.product: NVIDIA-L4
   driver:
     cudaVersion: "12.2"
+  sharing:
+    timeSlicing:
+      replicas: 4
 EOF
 
 step "waiting for the pools to settle (up to ${SETTLE_TIMEOUT}s)"
