@@ -237,6 +237,51 @@ pub fn container_response(
     })
 }
 
+/// Time-sliced replicas for one container (allowed when the pool does not fail requests for
+/// more than one): each next replica from the device this container has the fewest of, then
+/// the one with the most replicas still free (the least used by other pods), so that the
+/// container gets as many distinct GPUs as it can, on the quietest ones.
+fn spread_replicas(
+    view: &ResourceView,
+    chosen: &[String],
+    candidates: &[&AdvertisedDevice],
+    need: usize,
+) -> Vec<String> {
+    let mut mine: HashMap<String, usize> = HashMap::new();
+    for id in chosen {
+        if let Some(d) = view.get(id) {
+            *mine.entry(d.underlying().to_string()).or_default() += 1;
+        }
+    }
+    let mut free: HashMap<String, usize> = HashMap::new();
+    for d in candidates {
+        *free.entry(d.underlying().to_string()).or_default() += 1;
+    }
+    let mut left: Vec<&AdvertisedDevice> = candidates.to_vec();
+    let mut picked = Vec::with_capacity(need);
+    for _ in 0..need {
+        let Some((i, _)) = left.iter().enumerate().min_by_key(|(_, d)| {
+            let device = d.underlying().to_string();
+            (
+                mine.get(&device).copied().unwrap_or(0),
+                Reverse(free.get(&device).copied().unwrap_or(0)),
+                d.parent_gpu,
+                d.id.clone(),
+            )
+        }) else {
+            break;
+        };
+        let d = left.remove(i);
+        let device = d.underlying().to_string();
+        *mine.entry(device.clone()).or_default() += 1;
+        if let Some(n) = free.get_mut(&device) {
+            *n = n.saturating_sub(1);
+        }
+        picked.push(d.id.as_str().to_owned());
+    }
+    picked
+}
+
 /// Above this many candidate sets, preferred allocation is greedy instead of exhaustive.
 const EXHAUSTIVE_LIMIT: u128 = 20_000;
 
@@ -271,6 +316,10 @@ pub fn preferred_allocation(
     candidates.sort_by(|a, b| (a.parent_gpu, &a.id).cmp(&(b.parent_gpu, &b.id)));
     candidates.dedup_by(|a, b| a.id == b.id);
     let need = size - chosen.len();
+    if candidates.iter().any(|d| d.replica.is_some()) {
+        chosen.extend(spread_replicas(view, &chosen, &candidates, need));
+        return chosen;
+    }
     if candidates.len() <= need {
         chosen.extend(candidates.iter().map(|d| d.id.as_str().to_owned()));
         return chosen;
@@ -441,6 +490,29 @@ mod tests {
         .unwrap();
         let (name, devices) = shared.into_iter().next().unwrap();
         ResourceView::new(name, 1, devices, Arc::default())
+    }
+
+    #[test]
+    fn replicas_are_preferred_on_distinct_and_quiet_devices() {
+        let view = shared_view(false);
+        // GPU-0 has one replica free (three are in use), GPU-1 all four.
+        let available = s(&["GPU-0::3", "GPU-1::0", "GPU-1::1", "GPU-1::2", "GPU-1::3"]);
+        assert_eq!(
+            preferred_allocation(&view, &available, &[], 1),
+            ["GPU-1::0"],
+            "the quietest device first"
+        );
+        assert_eq!(
+            preferred_allocation(&view, &available, &[], 2),
+            ["GPU-1::0", "GPU-0::3"],
+            "then another device"
+        );
+        assert_eq!(
+            preferred_allocation(&view, &available, &s(&["GPU-1::2"]), 2),
+            ["GPU-1::2", "GPU-0::3"],
+            "must-include counts as this container's"
+        );
+        assert_eq!(preferred_allocation(&view, &available, &[], 3).len(), 3);
     }
 
     #[test]
