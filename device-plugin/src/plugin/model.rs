@@ -227,8 +227,18 @@ pub struct AdvertisedDevice {
     pub numa_node: Option<i64>,
     /// Index of the parent GPU (the GPU itself for whole GPUs).
     pub parent_gpu: u32,
-    /// Set when this is a time-slicing replica of another device ([`super::sharing`]).
-    pub replica: Option<super::sharing::Replica>,
+    /// Set when this is a time-slicing replica of another device (see `plugin::sharing`).
+    pub replica: Option<Replica>,
+}
+
+/// What a time-slicing replica stands for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replica {
+    /// The underlying device's kubelet ID.
+    pub of: DeviceId,
+    /// Whether a container asking for more than one replica of this resource is refused (it
+    /// would get no more compute than with one).
+    pub fail_requests_greater_than_one: bool,
 }
 
 impl AdvertisedDevice {

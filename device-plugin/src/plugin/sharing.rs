@@ -9,23 +9,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::model::{AdvertisedDevice, DeviceId, ModelError, ResourceName};
+use super::model::{AdvertisedDevice, DeviceId, ModelError, Replica, ResourceName};
 
 /// Separates a replica's number from its device's ID.
 pub const REPLICA_SEPARATOR: &str = "::";
 
 /// Most replicas of one device.
 pub const MAX_REPLICAS: u32 = 64;
-
-/// What a replica stands for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Replica {
-    /// The underlying device's kubelet ID.
-    pub of: DeviceId,
-    /// Whether a container asking for more than one replica of this resource is refused (it
-    /// would get no more compute than with one).
-    pub fail_requests_greater_than_one: bool,
-}
 
 /// The node's time-slicing, as the agent applies it to what it advertises.
 #[derive(Debug, Clone, PartialEq, Eq)]
