@@ -360,6 +360,8 @@ async fn kubectl_prints_the_printer_columns() -> Result<()> {
             reclaimed: 3,
             ..Default::default()
         },
+        // One word, so the row splits on whitespace.
+        sharing: Some("Exclusive".to_owned()),
         conditions: vec![Condition {
             type_: "Ready".to_owned(),
             status: "True".to_owned(),
@@ -381,6 +383,7 @@ async fn kubectl_prints_the_printer_columns() -> Result<()> {
             "GPUS",
             "HEALTHY",
             "MIG",
+            "SHARING",
             "DRIVER",
             "RECLAIMED",
             "READY",
@@ -388,13 +391,14 @@ async fn kubectl_prints_the_printer_columns() -> Result<()> {
         ]
     );
     assert_eq!(
-        row[..8],
+        row[..9],
         [
             pool_name.as_str(),
             "2/3",
             "16",
             "15",
             "all-1g.10gb",
+            "Exclusive",
             "550.54.15",
             "3",
             "True"

@@ -16,6 +16,7 @@ use gpupool_e2e::{Cluster, TestScope, crds, wait};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt};
 use serde_json::json;
@@ -657,5 +658,99 @@ async fn a_refused_node_patch_shows_in_the_pool_status_until_it_goes_through() -
     .await?;
     assert_eq!(cleared.type_.as_deref(), Some("Normal"));
     delete_pool(&client, &pool_name).await?;
+    Ok(())
+}
+
+/// A node that goes dark (powered off, cut off): its kubelet stops reporting and the Node turns
+/// NotReady. The pool is no longer Ready, names the node `NodeNotReady`, and no longer counts
+/// its GPUs healthy, whatever the agent's last report said; once the Node is Ready again, so is
+/// the pool. (kwok stops managing the node, so its status stays as the test sets it.)
+#[tokio::test]
+async fn a_node_gone_dark_is_not_ready_and_its_gpus_not_healthy() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let scope = TestScope::new(cluster, "op-dark")?;
+    let client = cluster.client().await?;
+    let n = create_node(
+        cluster,
+        &scope,
+        &scope.name("n"),
+        "NVIDIA-H100-80GB-HBM3",
+        &[],
+    )?;
+    let op = Operator::start(cluster, &scope, "only", &scope.name("lease"))?;
+    let (k, v) = scope.label();
+    let pool = scope.name("pool");
+    apply_pool(
+        &client,
+        &scope,
+        &pool,
+        json!({ "nodeSelector": { "matchLabels": { k: v } } }),
+    )
+    .await?;
+    wait_gpunode(&client, &n, |_| true)
+        .await
+        .with_context(|| op.log_tail())?;
+    report_status(&client, &n, |_| {}).await?;
+    wait_pool(&client, &pool, "Ready", |p| {
+        condition(p, "Ready").as_deref() == Some("True")
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+
+    // kwok lets go of the node; then its Ready condition goes False, as the node lifecycle
+    // controller sets it when a kubelet stops reporting.
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes
+        .patch(
+            &n,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"annotations": {"kwok.x-k8s.io/node": null}}})),
+        )
+        .await?;
+    let ready = |status: &str| {
+        json!({"status": {"conditions": [{
+            "type": "Ready", "status": status, "reason": "NodeStatusUnknown",
+            "message": "Kubelet stopped posting node status.",
+            "lastHeartbeatTime": Timestamp::now().to_string(),
+            "lastTransitionTime": Timestamp::now().to_string(),
+        }]}})
+    };
+    nodes
+        .patch_status(
+            &n,
+            &PatchParams::default(),
+            &Patch::Strategic(&ready("Unknown")),
+        )
+        .await?;
+    let dark = wait_pool(&client, &pool, "the dark node named", |p| {
+        p.status.as_ref().is_some_and(|s| {
+            s.problems
+                .iter()
+                .any(|pr| pr.node == n && pr.reason == "NodeNotReady")
+        })
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    let st = dark.status.clone().unwrap_or_default();
+    assert_eq!(condition(&dark, "Ready").as_deref(), Some("False"));
+    assert_eq!((st.gpus.total, st.gpus.healthy), (8, 0), "{:?}", st.gpus);
+    assert_eq!(st.nodes.as_deref(), Some("0/1"));
+
+    // Back: Ready again.
+    nodes
+        .patch_status(
+            &n,
+            &PatchParams::default(),
+            &Patch::Strategic(&ready("True")),
+        )
+        .await?;
+    wait_pool(&client, &pool, "Ready again", |p| {
+        condition(p, "Ready").as_deref() == Some("True")
+            && p.status.as_ref().is_some_and(|s| s.gpus.healthy == 8)
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    delete_pool(&client, &pool).await?;
     Ok(())
 }
