@@ -167,31 +167,11 @@ async fn the_operator_rides_out_an_api_server_restart() -> Result<()> {
 /// per hundred.
 fn create_nodes(cluster: &Cluster, scope: &TestScope, prefix: &str, count: usize) -> Result<()> {
     scope.track_kind("nodes");
-    let (k, v) = scope.label();
     let names: Vec<String> = (0..count).map(|i| format!("{prefix}-{i}")).collect();
     for chunk in names.chunks(100) {
         let items: Vec<serde_json::Value> = chunk
             .iter()
-            .map(|name| {
-                json!({
-                    "apiVersion": "v1",
-                    "kind": "Node",
-                    "metadata": {
-                        "name": name,
-                        "annotations": {"node.alpha.kubernetes.io/ttl": "0", "kwok.x-k8s.io/node": "fake"},
-                        "labels": {
-                            k: v, "kubernetes.io/hostname": name, "type": "kwok",
-                            "nvidia.com/gpu.present": "true",
-                            "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-                            "nvidia.com/gpu.count": "8",
-                        },
-                    },
-                    "status": {
-                        "capacity": {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8"},
-                        "allocatable": {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8"},
-                    },
-                })
-            })
+            .map(|name| kwok_node(scope, name, "NVIDIA-H100-80GB-HBM3", &[]))
             .collect();
         let list = json!({"apiVersion": "v1", "kind": "List", "items": items});
         cluster

@@ -37,6 +37,9 @@
 //! Opt-in with the rest of the real-kubelet layer (`GPUPOOL_E2E_KUBELET=1`); `e2e/kubelet check`
 //! with the containerd runtime says why it cannot run otherwise.
 
+#[path = "chart_support.rs"]
+mod chart;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::Path;
@@ -371,16 +374,16 @@ async fn chart_on_node(
     .map(|(k, v)| (k.to_owned(), v))
     .collect();
     sets.extend(host.chart_agent_values(kubelet)?);
-    let helm = Helm::new(cluster, scope.namespace());
     let chart = repo_root().join("charts/gpupool").display().to_string();
-    let mut args = vec!["install".to_owned(), release.clone(), chart];
-    for (k, v) in &sets {
-        args.extend(["--set-json".to_owned(), format!("{k}={v}")]);
+    let set_json: Vec<String> = sets.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let mut args = vec!["install", release.as_str(), chart.as_str()];
+    for set in &set_json {
+        args.extend(["--set-json", set.as_str()]);
     }
-    helm.run(&args)?;
+    helm_in(cluster, scope.namespace(), &args)?;
 
     let installed = installed_chart_works(
-        client, kubelet, scope, &helm, &release, &agent_ns, &node, &spec_path, uuid,
+        cluster, client, kubelet, scope, &release, &agent_ns, &node, &spec_path, uuid,
     )
     .await;
     let report = if installed.is_err() {
@@ -404,7 +407,11 @@ async fn chart_on_node(
     } else {
         String::new()
     };
-    let uninstalled = helm.run(&["uninstall", &release, "--wait", "--timeout", "3m"]);
+    let uninstalled = helm_in(
+        cluster,
+        scope.namespace(),
+        &["uninstall", &release, "--wait", "--timeout", "3m"],
+    );
     installed.with_context(|| report.clone())?;
     uninstalled.with_context(|| format!("the pre-delete hook:\n{}", report))?;
     // The hook deleted the pool while the operator ran; the operator's cleanup took the
@@ -429,10 +436,10 @@ async fn chart_on_node(
 /// What the installed chart must do before and during `helm test` (see [`chart_on_node`]).
 #[allow(clippy::too_many_arguments)]
 async fn installed_chart_works(
+    cluster: &Cluster,
     client: &Client,
     kubelet: &RealKubelet,
     scope: &TestScope,
-    helm: &Helm,
     release: &str,
     agent_ns: &str,
     node: &str,
@@ -550,7 +557,11 @@ async fn installed_chart_works(
     // `helm test`: its pod gets the GPU through the agent pod's plugin.
     // `--logs` would fetch them through the kubelet's server, by a node name this test bed
     // cannot resolve; the container's log is read from the runtime instead.
-    let tested = helm.run(&["test", release, "--timeout", "3m"]);
+    let tested = helm_in(
+        cluster,
+        scope.namespace(),
+        &["test", release, "--timeout", "3m"],
+    );
     let pod_name = format!("{release}-gpupool-test-gpu");
     let log = match Api::<Pod>::namespaced(client.clone(), scope.namespace())
         .get(&pod_name)
@@ -573,37 +584,11 @@ async fn installed_chart_works(
     Ok(())
 }
 
-/// `helm` against the cluster, in one namespace.
-struct Helm {
-    helm: std::path::PathBuf,
-    kubeconfig: String,
-    namespace: String,
-}
-
-impl Helm {
-    fn new(cluster: &Cluster, namespace: &str) -> Helm {
-        Helm {
-            helm: cluster.tools().helm(),
-            kubeconfig: cluster.kubeconfig().display().to_string(),
-            namespace: namespace.to_owned(),
-        }
-    }
-
-    /// Runs helm; its stdout and stderr, or an error with both.
-    fn run<S: AsRef<std::ffi::OsStr>>(&self, args: &[S]) -> Result<String> {
-        let out = std::process::Command::new(&self.helm)
-            .args(args)
-            .args(["-n", &self.namespace, "--kubeconfig", &self.kubeconfig])
-            .output()
-            .context("running helm")?;
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        ensure!(out.status.success(), "helm: {}\n{text}", out.status);
-        Ok(text)
-    }
+/// `helm` in `namespace` against the test cluster, through the chart tests' runner.
+fn helm_in(cluster: &Cluster, namespace: &str, args: &[&str]) -> Result<String> {
+    let mut all = args.to_vec();
+    all.extend(["-n", namespace]);
+    chart::helm(cluster.tools(), Some(cluster.kubeconfig()), &all)
 }
 
 #[tokio::test]

@@ -724,11 +724,7 @@ async fn a_node_gone_dark_is_not_ready_and_its_gpus_not_healthy() -> Result<()> 
         )
         .await?;
     let dark = wait_pool(&client, &pool, "the dark node named", |p| {
-        p.status.as_ref().is_some_and(|s| {
-            s.problems
-                .iter()
-                .any(|pr| pr.node == n && pr.reason == "NodeNotReady")
-        })
+        problem(p, &n, "NodeNotReady").is_some()
     })
     .await
     .with_context(|| op.log_tail())?;

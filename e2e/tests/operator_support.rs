@@ -191,35 +191,47 @@ pub fn create_node(
     extra: &[(&str, &str)],
 ) -> Result<String> {
     scope.track_kind("nodes");
-    let (k, v) = scope.label();
-    let mut labels = format!(
-        "    {k}: {v}\n    kubernetes.io/hostname: {name}\n    type: kwok\n    nvidia.com/gpu.present: \"true\"\n    nvidia.com/gpu.product: {product}\n    nvidia.com/gpu.count: \"8\"\n"
-    );
-    for (k, v) in extra {
-        labels.push_str(&format!("    {k}: \"{v}\"\n"));
-    }
-    let manifest = format!(
-        r#"apiVersion: v1
-kind: Node
-metadata:
-  name: {name}
-  annotations:
-    node.alpha.kubernetes.io/ttl: "0"
-    kwok.x-k8s.io/node: fake
-  labels:
-{labels}status:
-  capacity: &r
-    cpu: "96"
-    memory: 1Ti
-    pods: "110"
-    nvidia.com/gpu: "8"
-  allocatable: *r
-"#
-    );
+    let manifest = kwok_node(scope, name, product, extra);
     cluster
         .kubectl()
-        .run_with_stdin(["create", "-f", "-"], Some(&manifest))?;
+        .run_with_stdin(["create", "-f", "-"], Some(&manifest.to_string()))?;
     Ok(name.to_owned())
+}
+
+/// A kwok GPU node with 8 GPUs of `product`, the scope's label and `extra` labels (its
+/// manifest; [`create_node`] creates one, a `List` of them creates many in one request).
+pub fn kwok_node(
+    scope: &TestScope,
+    name: &str,
+    product: &str,
+    extra: &[(&str, &str)],
+) -> serde_json::Value {
+    let (k, v) = scope.label();
+    let mut labels = serde_json::Map::new();
+    for (key, value) in [
+        (k, v),
+        ("kubernetes.io/hostname", name),
+        ("type", "kwok"),
+        ("nvidia.com/gpu.present", "true"),
+        ("nvidia.com/gpu.product", product),
+        ("nvidia.com/gpu.count", "8"),
+    ]
+    .into_iter()
+    .chain(extra.iter().copied())
+    {
+        labels.insert(key.to_owned(), json!(value));
+    }
+    let resources = json!({"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8"});
+    json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {"node.alpha.kubernetes.io/ttl": "0", "kwok.x-k8s.io/node": "fake"},
+            "labels": labels,
+        },
+        "status": {"capacity": resources, "allocatable": resources},
+    })
 }
 
 /// Applies a GpuPool from YAML `spec` text, named and labelled for the scope.
@@ -322,6 +334,20 @@ pub async fn report_status(
     .await
     .with_context(|| format!("writing GpuNode {node} status"))?;
     Ok(())
+}
+
+/// The pool's status problem `reason` on `node`, if it reports one.
+pub fn problem(
+    pool: &GpuPool,
+    node: &str,
+    reason: &str,
+) -> Option<gpupool_crds::pool::NodeProblem> {
+    pool.status
+        .as_ref()?
+        .problems
+        .iter()
+        .find(|pr| pr.node == node && pr.reason == reason)
+        .cloned()
 }
 
 /// Node labels as they are now.

@@ -249,11 +249,7 @@ async fn a_silent_agent_holds_reclaim_and_its_pool_says_so() -> Result<()> {
     // appeared.
     report_gpus(&client, &node, &[(&pod, Seen::Busy)]).await?;
     let stale = wait_pool(&client, &pool, "the node's agent stale", |p| {
-        p.status.as_ref().is_some_and(|s| {
-            s.problems
-                .iter()
-                .any(|pr| pr.node == node && pr.reason == "AgentStale")
-        })
+        problem(p, &node, "AgentStale").is_some()
     })
     .await
     .with_context(|| op.log_tail())?;
@@ -352,20 +348,12 @@ async fn a_node_clock_ten_minutes_behind_neither_acts_early_nor_goes_unreported(
         tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
     }
     let reported = wait_pool(&client, &pool, "the skew reported", |p| {
-        p.status.as_ref().is_some_and(|s| {
-            s.problems
-                .iter()
-                .any(|pr| pr.node == node && pr.reason == "ClockSkew")
-        })
+        problem(p, &node, "ClockSkew").is_some()
     })
     .await
     .with_context(|| op.log_tail())?;
-    let message = reported
-        .status
-        .iter()
-        .flat_map(|s| s.problems.iter())
-        .find(|pr| pr.reason == "ClockSkew")
-        .map(|pr| pr.message.clone())
+    let message = problem(&reported, &node, "ClockSkew")
+        .map(|pr| pr.message)
         .unwrap_or_default();
     ensure!(message.contains("behind"), "{message}");
     // Many reclaim passes: the pod, idle two minutes in truth, is not warned.

@@ -761,14 +761,7 @@ pub async fn run(
         .default_backoff()
         .inspect_err(watch_failed("GpuNode"))
         .touched_objects()
-        .inspect_ok(move |gn: &GpuNode| {
-            let heartbeat = gn
-                .status
-                .as_ref()
-                .and_then(|s| s.heartbeat_time.as_ref())
-                .map(|t| t.0);
-            seen.observe(&gn.name_any(), heartbeat, Timestamp::now());
-        });
+        .inspect_ok(move |gn: &GpuNode| seen.observe_gpunode(gn, Timestamp::now()));
     let node_stream = relevant_node_changes(
         reflector(
             node_writer,

@@ -183,14 +183,7 @@ impl Fixture {
     fn gpunode(&mut self, g: &GpuNode) {
         self.gpunodes
             .apply_watcher_event(&watcher::Event::Apply(g.clone()));
-        self.ctx.liveness.observe(
-            &g.name_any(),
-            g.status
-                .as_ref()
-                .and_then(|s| s.heartbeat_time.as_ref())
-                .map(|t| t.0),
-            Timestamp::now(),
-        );
+        self.ctx.liveness.observe_gpunode(g, Timestamp::now());
     }
 }
 
@@ -285,27 +278,7 @@ async fn an_unchanged_pool_writes_nothing() {
 async fn a_cache_behind_our_own_status_write_is_read_afresh_and_not_written_back() {
     use gpupool_crds::pool::ReclaimRecord;
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
-    let mut f = Fixture::new(Client::new(service, "default"));
-    let mut stale = with_finalizer(pool("train", "2026-01-01T00:00:00Z", &[("team", "ml")]));
-    let node = gpu_node("n1", Some("train"), false);
-    let gn = ready_gpunode(&stale, "n1");
-    stale.status = Some(pool::pool_status(&StatusInput {
-        pool: &stale,
-        members: vec![Member {
-            node: "n1".into(),
-            gpunode: Some(&gn),
-            layout_problem: None,
-            node_ready: true,
-            agent: AgentLiveness::Live { skew: None },
-            mig_waiting: false,
-        }],
-        conflicts: vec![],
-        selector_error: None,
-        pods_to_drain: 0,
-        reclaim: Default::default(),
-        api_failures: vec![],
-        now: "2026-03-01T00:00:00Z".parse::<Timestamp>().unwrap(),
-    }));
+    let (f, stale) = train_fixture(Client::new(service, "default"), true, vec![]);
     let mut current = stale.clone();
     current.metadata.resource_version = Some("2".into());
     if let Some(st) = current.status.as_mut() {
@@ -318,9 +291,6 @@ async fn a_cache_behind_our_own_status_write_is_read_afresh_and_not_written_back
             time: Time("2026-03-01T00:00:00Z".parse().unwrap()),
         }];
     }
-    f.pool(&stale);
-    f.node(&node);
-    f.gpunode(&gn);
     f.ctx.status_written("train", Some("2".into()));
     let expected = vec![Expect {
         answer: Some(serde_json::to_value(&current).unwrap()),

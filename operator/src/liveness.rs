@@ -15,7 +15,9 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use gpupool_crds::GpuNode;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::ResourceExt;
 
 /// How often agents stamp their status (the agent's `--heartbeat-secs` default).
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(60);
@@ -117,6 +119,17 @@ impl Liveness {
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         let next = observe(seen.get(node), heartbeat, now);
         seen.insert(node.to_owned(), next);
+    }
+
+    /// Records the stamp a GpuNode carries (none before its agent's first status), as delivered
+    /// at `now`.
+    pub fn observe_gpunode(&self, gn: &GpuNode, now: Timestamp) {
+        let heartbeat = gn
+            .status
+            .as_ref()
+            .and_then(|s| s.heartbeat_time.as_ref())
+            .map(|t| t.0);
+        self.observe(&gn.name_any(), heartbeat, now);
     }
 
     /// Forgets a node whose GpuNode is gone.
