@@ -189,13 +189,24 @@ pub struct GpuNodeStatus {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct GpuSharing {
-    /// `TimeSlicing`.
+    /// `TimeSlicing` or `MPS`.
     pub mode: String,
     /// Pods per device.
     pub replicas: u32,
     /// What keeps the pods sharing a device apart: `None` for time-slicing (shared memory and
-    /// faults: one pod can run the others out of memory), `Hardware` between MIG devices.
+    /// faults: one pod can run the others out of memory), `Memory` for MPS (each client's
+    /// device memory is capped; faults are still shared), `Hardware` between MIG devices.
     pub isolation: String,
+    /// MPS: the device memory each client may pin, in MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_limit_mib: Option<u64>,
+    /// MPS: the share of the GPU's threads each client may use, in percent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_thread_percentage: Option<u32>,
+    /// MPS: the GPU's control daemon, `Running`, or why it is not (its replicas are then
+    /// Unhealthy until it is back).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub daemon: Option<String>,
 }
 
 /// One driver check.

@@ -402,14 +402,112 @@ pub struct MigLayoutEntry {
 // ---------------------------------------------------------------------------------------------
 
 /// Sharing GPUs between pods. Absent: every GPU (and MIG device) goes to one pod at a time.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+/// Time-slicing and MPS may both be set when they apply to different GPUs (disjoint `gpus`
+/// or `models`), so one pool can time-slice its small cards and run MPS on its large ones.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new(
+    "!has(self.timeSlicing) || !has(self.mps) \
+     || (has(self.timeSlicing.gpus) && has(self.mps.gpus) && self.timeSlicing.gpus.all(g, !(g in self.mps.gpus))) \
+     || (has(self.timeSlicing.models) && has(self.mps.models) && self.timeSlicing.models.all(m, !(m in self.mps.models)))"
+).message(kube::core::Message::Message(
+    "sharing.timeSlicing and sharing.mps would both apply to the same GPUs: give both a gpus \
+     list with no index in common, or both a models list with no model in common".into()
+)))]
 pub struct SharingPolicy {
     /// Time-slicing: each selected device is advertised `replicas` times and the pods given
     /// its replicas take turns on it. No isolation: they share the GPU's memory (one can run
     /// the others out of memory) and its faults.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub time_slicing: Option<TimeSlicingPolicy>,
+
+    /// MPS (CUDA Multi-Process Service): each selected whole GPU runs one MPS control daemon
+    /// and is advertised `replicas` times; the pods given its replicas run their kernels side
+    /// by side, each capped in device memory and in the share of the GPU's threads it may use.
+    /// Memory is isolated by the caps; faults are not (one client's fatal error can end the
+    /// others' work on that GPU). Whole GPUs only: MIG devices are never shared by MPS here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps: Option<MpsPolicy>,
+}
+
+/// MPS sharing, as NVIDIA's device plugin configures it (`sharing.mps`), with the per-client
+/// limits stated rather than implied.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MpsPolicy {
+    /// Pods per GPU, 2–48 (an MPS server takes at most 48 clients per GPU).
+    #[schemars(range(min = 2, max = 48))]
+    pub replicas: u32,
+
+    /// Advertise MPS capacity under `nvidia.com/gpu.shared` (NVIDIA's `renameByDefault`).
+    #[serde(default)]
+    pub rename_by_default: bool,
+
+    /// Refuse a container that asks for more than one replica (NVIDIA's
+    /// `failRequestsGreaterThanOne`; each replica carries the same per-client limits, so two
+    /// would not double them).
+    #[serde(default = "default_true")]
+    pub fail_requests_greater_than_one: bool,
+
+    /// Where a container's replicas go on the node: `Spread` (default) or `Pack`.
+    #[serde(default)]
+    pub placement: SharePlacement,
+
+    /// Device memory each client may pin, in Mi or Gi (e.g. `10Gi`). Absent: the GPU's memory
+    /// divided by `replicas`, so the clients together cannot run each other out of memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[1-9][0-9]{0,6}(Mi|Gi)$"))]
+    pub memory_limit: Option<String>,
+
+    /// Share of the GPU's threads each client may use, 1–100 percent. Absent: 100 divided by
+    /// `replicas`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub active_thread_percentage: Option<u32>,
+
+    /// Only these GPU indices. Absent: every whole (non-MIG) GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 16), inner(range(max = 63)))]
+    #[x_kube(validation = kube::core::Rule::new("self.all(g, self.exists_one(x, x == g))")
+        .message("sharing.mps.gpus lists a GPU index twice"))]
+    pub gpus: Option<Vec<u32>>,
+
+    /// Only nodes whose GPUs are one of these products (`nvidia.com/gpu.product`, e.g.
+    /// `NVIDIA-H100-80GB-HBM3`). Absent: every model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 16),
+        inner(
+            length(max = 63),
+            regex(pattern = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+        )
+    )]
+    pub models: Option<Vec<String>>,
+}
+
+/// Where `GetPreferredAllocation` puts a container's shared replicas among the node's free
+/// ones. A preference within the node: the scheduler picks the node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum SharePlacement {
+    /// Across devices, the one with the most replicas free first: fewer neighbours per pod.
+    #[default]
+    Spread,
+    /// The busiest device with a replica free first: whole GPUs stay free longer.
+    Pack,
+}
+
+impl MpsPolicy {
+    /// The per-client memory limit in MiB, from `memory_limit` (`None` when absent or, which
+    /// admission prevents, unparsable).
+    pub fn memory_limit_mib(&self) -> Option<u64> {
+        let s = self.memory_limit.as_deref()?;
+        let (n, mult) = if let Some(n) = s.strip_suffix("Gi") {
+            (n, 1024)
+        } else {
+            (s.strip_suffix("Mi")?, 1)
+        };
+        n.parse::<u64>().ok().map(|n| n * mult)
+    }
 }
 
 /// Time-slicing, as NVIDIA's device plugin configures it (`sharing.timeSlicing`).
@@ -429,6 +527,11 @@ pub struct TimeSlicingPolicy {
     /// GPU give it no more compute than one (NVIDIA's `failRequestsGreaterThanOne`).
     #[serde(default = "default_true")]
     pub fail_requests_greater_than_one: bool,
+
+    /// Where a container's replicas go on the node: `Spread` (default; quietest device first)
+    /// or `Pack` (busiest device with room first, keeping whole GPUs free).
+    #[serde(default)]
+    pub placement: SharePlacement,
 
     /// The resources to share, e.g. `[nvidia.com/gpu]` or `[nvidia.com/mig-1g.10gb]`. Absent:
     /// all that the node advertises.

@@ -29,6 +29,12 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new(
+    "!has(self.sharing) || !has(self.sharing.mps) || !has(self.mig) || !has(self.mig.strategy) || self.mig.strategy != 'single'"
+).message(kube::core::Message::Message(
+    "sharing.mps shares whole GPUs only, and with mig.strategy single every advertised device is a \
+     MIG device: use sharing.timeSlicing, or mig.strategy mixed (whole GPUs stay nvidia.com/gpu)".into()
+)))]
 pub struct GpuPoolSpec {
     /// Nodes that belong to the pool. A node matched by two pools belongs to the older one.
     #[schemars(schema_with = "crate::policy::node_selector_schema")]
@@ -66,7 +72,7 @@ pub struct GpuPoolSpec {
     #[serde(default)]
     pub mig: MigPolicy,
 
-    /// Sharing GPUs between pods (time-slicing). Absent: one pod per device.
+    /// Sharing GPUs between pods (time-slicing, MPS). Absent: one pod per device.
     #[serde(default)]
     pub sharing: SharingPolicy,
 

@@ -108,6 +108,10 @@ struct Cli {
     #[arg(long, env = "GPUPOOL_HEARTBEAT_SECS", default_value_t = 60,
         value_parser = clap::value_parser!(u64).range(10..=60))]
     heartbeat_secs: u64,
+    /// Where the MPS control daemons keep their pipe, log and shared-memory directories, one
+    /// directory per GPU, in the host's terms (mounted writable under the host root).
+    #[arg(long, env = "GPUPOOL_MPS_ROOT", default_value = gpupool_device_plugin::agent::mps::DEFAULT_MPS_ROOT)]
+    mps_root: PathBuf,
     /// Log as JSON lines.
     #[arg(long, env = "GPUPOOL_LOG_JSON")]
     log_json: bool,
@@ -202,6 +206,7 @@ fn agent_config(cli: &Cli) -> AgentConfig {
         idle_samples: cli.idle_samples,
         health_hold_down: Duration::from_secs(cli.health_recovery_hold_down_secs),
         heartbeat: Duration::from_secs(cli.heartbeat_secs),
+        mps_root: cli.mps_root.clone(),
     }
 }
 

@@ -8,7 +8,7 @@ use gpupool_crds::labels::{DRIVER_INVALID_TAINT, MIG_RECONFIGURING_TAINT, POOL_L
 use gpupool_crds::node::{
     CDI_SPEC_READY, GpuNode, GpuNodeSpec, Health, MigState, NodeMigSpec, UtilizationSpec, Verdict,
 };
-use gpupool_crds::policy::{OnFailure, SharingPolicy, TimeSlicingPolicy};
+use gpupool_crds::policy::{MpsPolicy, OnFailure, SharingPolicy, TimeSlicingPolicy};
 use gpupool_crds::pool::{
     DriverVersionCount, GpuCounts, GpuPool, GpuPoolStatus, MigProgress, NodeProblem, ReclaimStatus,
 };
@@ -135,26 +135,35 @@ pub fn mig_rollout_holds<'a>(
     holds
 }
 
-/// The pool's sharing as one node gets it: time-slicing limited to some GPU models applies to
-/// a node only when its `nvidia.com/gpu.product` label is one of them (then the list is
-/// dropped: the node's agent has nothing more to match).
+/// The pool's sharing as one node gets it: time-slicing or MPS limited to some GPU models
+/// applies to a node only when its `nvidia.com/gpu.product` label is one of them (then the
+/// list is dropped: the node's agent has nothing more to match).
 pub fn node_sharing(
     sharing: &SharingPolicy,
     node_labels: &BTreeMap<String, String>,
 ) -> SharingPolicy {
     let product = node_labels.get("nvidia.com/gpu.product");
+    let applies = |models: &Option<Vec<String>>| {
+        models
+            .as_ref()
+            .is_none_or(|models| product.is_some_and(|p| models.contains(p)))
+    };
     SharingPolicy {
         time_slicing: sharing
             .time_slicing
             .as_ref()
-            .filter(|ts| {
-                ts.models
-                    .as_ref()
-                    .is_none_or(|models| product.is_some_and(|p| models.contains(p)))
-            })
+            .filter(|ts| applies(&ts.models))
             .map(|ts| TimeSlicingPolicy {
                 models: None,
                 ..ts.clone()
+            }),
+        mps: sharing
+            .mps
+            .as_ref()
+            .filter(|mps| applies(&mps.models))
+            .map(|mps| MpsPolicy {
+                models: None,
+                ..mps.clone()
             }),
     }
 }
@@ -758,22 +767,36 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
     }
 }
 
-/// The pool's `SHARING` column: `Exclusive`, or `TimeSlicing x<n>` (with the models or GPU
-/// indices it is limited to) and its isolation, none.
+/// The pool's `SHARING` column: `Exclusive`, or each mode with its replicas, the models or
+/// GPU indices it is limited to, and its isolation (`TimeSlicing x4 (isolation: none)`,
+/// `MPS x4 (isolation: memory)`), joined by `; `.
 pub fn sharing_summary(sharing: &SharingPolicy) -> String {
-    let Some(ts) = &sharing.time_slicing else {
+    fn scope(s: &mut String, models: &Option<Vec<String>>, gpus: &Option<Vec<u32>>) {
+        if let Some(models) = models {
+            s.push_str(&format!(" on {}", models.join(",")));
+        }
+        if let Some(gpus) = gpus {
+            let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
+            s.push_str(&format!(" on GPU {}", list.join(",")));
+        }
+    }
+    let mut parts = Vec::new();
+    if let Some(ts) = &sharing.time_slicing {
+        let mut s = format!("TimeSlicing x{}", ts.replicas);
+        scope(&mut s, &ts.models, &ts.gpus);
+        s.push_str(" (isolation: none)");
+        parts.push(s);
+    }
+    if let Some(mps) = &sharing.mps {
+        let mut s = format!("MPS x{}", mps.replicas);
+        scope(&mut s, &mps.models, &mps.gpus);
+        s.push_str(" (isolation: memory)");
+        parts.push(s);
+    }
+    if parts.is_empty() {
         return "Exclusive".into();
-    };
-    let mut s = format!("TimeSlicing x{}", ts.replicas);
-    if let Some(models) = &ts.models {
-        s.push_str(&format!(" on {}", models.join(",")));
     }
-    if let Some(gpus) = &ts.gpus {
-        let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
-        s.push_str(&format!(" on GPU {}", list.join(",")));
-    }
-    s.push_str(" (isolation: none)");
-    s
+    parts.join("; ")
 }
 
 /// Whether a failure keeps the pool's nodes from their desired state (GpuNodes, node labels
@@ -1436,12 +1459,14 @@ pub(crate) mod tests {
             replicas: 4,
             rename_by_default: false,
             fail_requests_greater_than_one: true,
+            placement: Default::default(),
             resources: None,
             gpus: None,
             models: Some(vec!["NVIDIA-L4".into()]),
         };
         let sharing = SharingPolicy {
             time_slicing: Some(ts.clone()),
+            mps: None,
         };
         let l4 = labels(&[("nvidia.com/gpu.product", "NVIDIA-L4")]);
         let h100 = labels(&[("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3")]);
@@ -1467,6 +1492,45 @@ pub(crate) mod tests {
         p.spec.sharing = sharing;
         let (gn, _) = desired_gpunode(&p, "n1", &l4);
         assert_eq!(gn.spec.sharing.time_slicing.map(|t| t.replicas), Some(4));
+    }
+
+    #[test]
+    fn mps_and_time_slicing_reach_their_own_models_and_both_show_in_the_status() {
+        let sharing = SharingPolicy {
+            time_slicing: Some(TimeSlicingPolicy {
+                replicas: 4,
+                rename_by_default: false,
+                fail_requests_greater_than_one: true,
+                placement: Default::default(),
+                resources: None,
+                gpus: None,
+                models: Some(vec!["NVIDIA-L4".into()]),
+            }),
+            mps: Some(MpsPolicy {
+                replicas: 8,
+                rename_by_default: true,
+                fail_requests_greater_than_one: true,
+                placement: Default::default(),
+                memory_limit: Some("10Gi".into()),
+                active_thread_percentage: Some(25),
+                gpus: None,
+                models: Some(vec!["NVIDIA-H100-80GB-HBM3".into()]),
+            }),
+        };
+        let h100 = node_sharing(
+            &sharing,
+            &labels(&[("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3")]),
+        );
+        assert_eq!(h100.time_slicing, None);
+        let mps = h100.mps.expect("MPS reaches the H100 node");
+        assert_eq!((mps.replicas, mps.models), (8, None));
+        assert_eq!(mps.memory_limit_mib(), Some(10 * 1024));
+        let l4 = node_sharing(&sharing, &labels(&[("nvidia.com/gpu.product", "NVIDIA-L4")]));
+        assert!(l4.mps.is_none() && l4.time_slicing.is_some());
+        assert_eq!(
+            sharing_summary(&sharing),
+            "TimeSlicing x4 on NVIDIA-L4 (isolation: none); MPS x8 on NVIDIA-H100-80GB-HBM3 (isolation: memory)"
+        );
     }
 
     #[test]

@@ -99,6 +99,48 @@ pub const LEGACY_NVVM_LIBRARY: &str = "libnvidia-nvvm70.so.4";
 /// A library of another driver version, which a CDI generator must leave out.
 pub const OTHER_VERSION_LIBRARY: &str = "libnvidia-ml.so.1.0.0";
 
+/// The fake `nvidia-cuda-mps-control` (POSIX shell, run with the host's `/bin/sh`). With `-f`
+/// it is the daemon: it makes the control pipe `control` in `$CUDA_MPS_PIPE_DIRECTORY`, records
+/// its start (`start devices=<CUDA_VISIBLE_DEVICES>`) and then every command it receives, one
+/// per line, in `$CUDA_MPS_LOG_DIRECTORY/control.log`, leaves a `gpupool-fake-mps` file in its
+/// `/dev/shm` (so a test can see which directory that was), and ends on `quit`. Without
+/// arguments it is the client: it passes its input to the daemon's control pipe, and fails
+/// when there is none, as the real one does.
+pub const FAKE_MPS_CONTROL: &str = r#"#!/bin/sh
+pipe=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}
+log=${CUDA_MPS_LOG_DIRECTORY:-/var/log/nvidia-mps}
+case "${1:-}" in
+-f | -d)
+    mkdir -p "$pipe" "$log" || exit 1
+    rm -f "$pipe/control"
+    mkfifo "$pipe/control" || exit 1
+    : > /dev/shm/gpupool-fake-mps
+    echo "start devices=${CUDA_VISIBLE_DEVICES:-}" >> "$log/control.log"
+    trap 'rm -f "$pipe/control"; exit 0' TERM INT
+    while :; do
+        while IFS= read -r line; do
+            echo "$line" >> "$log/control.log"
+            if [ "$line" = quit ]; then
+                rm -f "$pipe/control"
+                exit 0
+            fi
+        done < "$pipe/control"
+    done
+    ;;
+"")
+    if [ ! -p "$pipe/control" ]; then
+        echo "Cannot find MPS control daemon process" >&2
+        exit 1
+    fi
+    cat > "$pipe/control"
+    ;;
+*)
+    echo "fake $0: unsupported arguments: $*" >&2
+    exit 2
+    ;;
+esac
+"#;
+
 /// The driver's executables, relative to the root.
 pub const BINARIES: [&str; 7] = [
     "usr/bin/nvidia-smi",
@@ -354,6 +396,7 @@ pub fn build_with(
                 clear(&path)?;
                 fs::copy(given, &path).map_err(write_error(&path))?;
             }
+            (_, "usr/bin/nvidia-cuda-mps-control") => write(rel, FAKE_MPS_CONTROL)?,
             _ => write(rel, "#!/bin/sh\nexit 0\n")?,
         }
         fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))

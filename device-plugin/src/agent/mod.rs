@@ -20,6 +20,7 @@ pub mod figures;
 pub mod foreign_plugin;
 pub mod health;
 pub mod labels;
+pub mod mps;
 pub mod reconcile;
 pub mod reconfigure;
 pub mod sampling;
@@ -86,6 +87,8 @@ pub struct AgentConfig {
     /// Longest time between two GpuNode status writes, changed or not (the heartbeat the
     /// operator judges the agent's liveness by).
     pub heartbeat: Duration,
+    /// The MPS daemons' directories, host terms (`/run/gpupool/mps`).
+    pub mps_root: PathBuf,
 }
 
 impl AgentConfig {
@@ -175,6 +178,8 @@ impl Agent {
         });
 
         let mut state = NodeState::new(&self);
+        let (mps_tx, mut mps_exits) = mpsc::channel::<()>(8);
+        state.mps.set_waker(mps_tx);
         let (notice_tx, mut notices) = mpsc::channel::<Notice>(64);
         let (layout_tx, layout_rx) = watch::channel(Advertisement::default());
         let (health_tx, mut health_rx) = watch::channel(Advertisement::default());
@@ -241,6 +246,7 @@ impl Agent {
                     if changed.is_err() { break; }
                 }
                 Some(xid) = notices.recv() => state.validation.notice(xid, Instant::now()),
+                Some(()) = mps_exits.recv() => {}
                 () = sleep => {}
             }
             let gpunode = node_rx.borrow_and_update().clone();
@@ -273,6 +279,7 @@ impl Agent {
             wake = state.reconcile(&self, &gpunode, &health, &layout_tx).await;
         }
 
+        state.mps.stop_all().await;
         stop_health.store(true, Ordering::Relaxed);
         cancel.cancel();
         watch_task.abort();

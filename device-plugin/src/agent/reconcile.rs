@@ -15,12 +15,13 @@ use kube::runtime::events::{Recorder, Reporter};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::advertise::{MigIds, MigParents, advertisement, mig_index};
+use super::advertise::{MigIds, MigParents, MpsView, advertisement, mig_index};
 use super::cdi_spec::{CdiJob, Roots};
 use super::events::{Events, GpuHealthSeen, Observed};
 use super::figures::{FigureInputs, figures};
 use super::foreign_plugin::ForeignPluginJob;
 use super::labels::NodeLabeler;
+use super::mps::{self, MpsJob, MpsPaths};
 use super::reconfigure::{MigJob, MigProgress};
 use super::sampling::SamplingJob;
 use super::status::{self, StatusInputs, StatusPublisher};
@@ -40,6 +41,8 @@ pub struct NodeState {
     pub validation: ValidationJob,
     sampling: SamplingJob,
     foreign: ForeignPluginJob,
+    /// The MPS control daemons (public to the loop: it hands them a waker and stops them).
+    pub mps: MpsJob,
     /// The agent's own conditions, carried from one status to the next.
     conditions: Vec<Condition>,
     status: StatusPublisher,
@@ -78,6 +81,15 @@ impl NodeState {
                 plugin::PluginConfig::default().name_prefix,
                 now,
             ),
+            mps: MpsJob::new(MpsPaths {
+                root: config.mps_root.clone(),
+                host_root: config.host_root.clone(),
+                driver_root: config
+                    .driver_root
+                    .clone()
+                    .unwrap_or_else(|| PathBuf::from("/")),
+                private_shm: true,
+            }),
             conditions: Vec::new(),
             status: StatusPublisher::new(agent.client.clone(), agent.config.heartbeat),
             labels: NodeLabeler::new(agent.client.clone(), config.node_name.clone()),
@@ -159,7 +171,9 @@ impl NodeState {
             }
         }
 
-        // CDI spec and advertised devices follow the hardware, except mid-reconfiguration.
+        // CDI spec, MPS daemons and advertised devices follow the hardware, except
+        // mid-reconfiguration.
+        let mut mps_wake = None;
         if let (false, Some(inv)) = (self.mig.busy(), inv) {
             self.cdi.sync(
                 agent.config.cdi_dir.as_deref(),
@@ -170,11 +184,23 @@ impl NodeState {
                 &spec.cdi,
                 inv,
             );
+            let daemons = mps::desired(inv, spec.sharing.mps.as_ref());
+            mps_wake = self.mps.sync(&daemons, Instant::now()).await;
+            let mps_view = MpsView {
+                clients: self.mps.clients(),
+                down: self
+                    .mps
+                    .states()
+                    .into_iter()
+                    .filter_map(|(i, s)| s.err().map(|why| (i, why)))
+                    .collect(),
+            };
             let adv = advertisement(
                 inv,
                 spec.mig.strategy,
                 &spec.cdi.device_name_strategies,
                 &spec.sharing,
+                &mps_view,
                 self.topology.clone(),
             );
             layout_tx.send_if_modified(|cur| {
@@ -231,6 +257,7 @@ impl NodeState {
             Some(self.sampling.next()),
             Some(self.foreign.next()),
             mig_wake,
+            mps_wake,
         ]
         .into_iter()
         .flatten()
@@ -272,6 +299,7 @@ impl NodeState {
                 cdi: self.cdi.status.clone(),
                 cdi_state: self.cdi.state(),
                 foreign_plugin: self.foreign.findings(),
+                mps: &self.mps.sharing(),
             },
             &mut self.conditions,
             Timestamp::now(),

@@ -42,18 +42,25 @@ fn to_status(h: Option<&Health>) -> (StatusHealth, Option<String>) {
     }
 }
 
-/// `gpus` with each time-sliced GPU's sharing named: the GPU is shared when the time-slicing
-/// selects its index and a resource it is advertised under (`nvidia.com/gpu` for a whole GPU or
-/// under the single strategy, `nvidia.com/mig-<profile>` for its MIG devices).
+/// `gpus` with each shared GPU's sharing named: MPS as the MPS job reports it (`mps`, by GPU
+/// index), time-slicing when it selects the GPU's index and a resource it is advertised under
+/// (`nvidia.com/gpu` for a whole GPU or under the single strategy, `nvidia.com/mig-<profile>`
+/// for its MIG devices).
 pub fn with_sharing(
     mut gpus: Vec<GpuStatus>,
     sharing: &SharingPolicy,
     strategy: CrdMigStrategy,
+    mps: &BTreeMap<u32, GpuSharing>,
 ) -> Vec<GpuStatus> {
+    for gpu in &mut gpus {
+        if let Some(m) = mps.get(&gpu.index) {
+            gpu.sharing = Some(m.clone());
+        }
+    }
     let Some(ts) = &sharing.time_slicing else {
         return gpus;
     };
-    for gpu in &mut gpus {
+    for gpu in gpus.iter_mut().filter(|g| g.sharing.is_none()) {
         if ts.gpus.as_ref().is_some_and(|g| !g.contains(&gpu.index)) {
             continue;
         }
@@ -75,6 +82,7 @@ pub fn with_sharing(
                 mode: "TimeSlicing".into(),
                 replicas: ts.replicas,
                 isolation: "None".into(),
+                ..GpuSharing::default()
             });
         }
     }
@@ -223,6 +231,8 @@ pub struct StatusInputs<'a> {
     pub cdi_state: Option<SpecState>,
     /// What the last scan for other device plugins found; `None` before the first.
     pub foreign_plugin: Option<&'a Findings>,
+    /// The sharing of each GPU under MPS, with its daemon's state.
+    pub mps: &'a BTreeMap<u32, GpuSharing>,
 }
 
 /// GpuNode status from `inputs`. `conditions` carries the agent's conditions from one build to
@@ -250,6 +260,7 @@ pub fn build_status(
                 ),
                 &spec.sharing,
                 spec.mig.strategy,
+                inputs.mps,
             ),
         ),
         _ => (None, None, Vec::new()),
@@ -451,10 +462,12 @@ mod tests {
                 replicas: 3,
                 rename_by_default: false,
                 fail_requests_greater_than_one: true,
+                placement: Default::default(),
                 resources: resources.map(|r| r.into_iter().map(str::to_owned).collect()),
                 gpus,
                 models: None,
             }),
+            mps: None,
         };
         let shared = |out: Vec<GpuStatus>| -> Vec<u32> {
             out.iter()
@@ -462,26 +475,46 @@ mod tests {
                 .map(|g| g.index)
                 .collect()
         };
-        let all = with_sharing(gpus.clone(), &ts(None, None), CrdMigStrategy::Mixed);
+        let none = BTreeMap::new();
+        let all = with_sharing(gpus.clone(), &ts(None, None), CrdMigStrategy::Mixed, &none);
         assert_eq!(shared(all.clone()), [0, 1, 2]);
         assert_eq!(
             all[0].sharing,
             Some(GpuSharing {
                 mode: "TimeSlicing".into(),
                 replicas: 3,
-                isolation: "None".into()
+                isolation: "None".into(),
+                ..GpuSharing::default()
             })
         );
         let some = ts(Some(vec![1, 2]), Some(vec!["nvidia.com/mig-1g.10gb"]));
         assert_eq!(
-            shared(with_sharing(gpus.clone(), &some, CrdMigStrategy::Mixed)),
+            shared(with_sharing(gpus.clone(), &some, CrdMigStrategy::Mixed, &none)),
             [2]
         );
+        // A GPU under MPS reports its daemon's sharing, whatever time-slicing says.
+        let mps = GpuSharing {
+            mode: "MPS".into(),
+            replicas: 4,
+            isolation: "Memory".into(),
+            memory_limit_mib: Some(5000),
+            active_thread_percentage: Some(25),
+            daemon: Some("Running".into()),
+        };
+        let under_mps = with_sharing(
+            gpus.clone(),
+            &some,
+            CrdMigStrategy::Mixed,
+            &BTreeMap::from([(0, mps.clone())]),
+        );
+        assert_eq!(shared(under_mps.clone()), [0, 2]);
+        assert_eq!(under_mps[0].sharing, Some(mps));
         assert!(
             shared(with_sharing(
                 gpus,
                 &SharingPolicy::default(),
-                CrdMigStrategy::Mixed
+                CrdMigStrategy::Mixed,
+                &none
             ))
             .is_empty()
         );
@@ -562,6 +595,7 @@ mod tests {
                 cdi: None,
                 cdi_state: None,
                 foreign_plugin: None,
+                mps: &BTreeMap::new(),
             },
             &mut Vec::new(),
             Timestamp::from_second(1_700_000_000).unwrap(),
@@ -605,6 +639,7 @@ mod tests {
                     cdi: None,
                     cdi_state: state,
                     foreign_plugin: None,
+                mps: &BTreeMap::new(),
                 },
                 conditions,
                 Timestamp::from_second(1_700_000_000).unwrap(),
@@ -673,6 +708,7 @@ mod tests {
                     cdi: None,
                     cdi_state: None,
                     foreign_plugin: findings,
+                mps: &BTreeMap::new(),
                 },
                 &mut conditions,
                 Timestamp::from_second(1_700_000_000).unwrap(),
@@ -822,6 +858,7 @@ mod tests {
                 cdi: None,
                 cdi_state: None,
                 foreign_plugin: Some(&found),
+                mps: &BTreeMap::new(),
             },
             &mut Vec::new(),
             Timestamp::from_second(1_700_000_000).unwrap(),
@@ -887,6 +924,7 @@ mod tests {
                 &inv,
                 CrdMigStrategy::Mixed,
                 &strategies,
+                &Default::default(),
                 &Default::default(),
                 Arc::new(Topology::new()),
             );

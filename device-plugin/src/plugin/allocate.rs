@@ -5,10 +5,11 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use super::api::v1beta1::{
-    CdiDevice, ContainerAllocateResponse, Device, ListAndWatchResponse, NumaNode, TopologyInfo,
+    CdiDevice, ContainerAllocateResponse, Device, ListAndWatchResponse, Mount, NumaNode,
+    TopologyInfo,
 };
 use super::api::{HEALTHY, UNHEALTHY};
-use super::model::{AdvertisedDevice, CdiKind, LinkKind, ResourceName, Topology};
+use super::model::{AdvertisedDevice, CdiKind, LinkKind, Placement, ResourceName, Topology};
 
 /// The CDI annotation key prefix runtimes scan for (`cdi.k8s.io/<plugin>_<id>`).
 pub const CDI_ANNOTATION_PREFIX: &str = "cdi.k8s.io/";
@@ -218,7 +219,7 @@ pub fn container_response(
     )]
     .into_iter()
     .collect();
-    let envs = [(
+    let mut envs: HashMap<String, String> = [(
         NVIDIA_VISIBLE_DEVICES.to_owned(),
         devices
             .iter()
@@ -228,24 +229,45 @@ pub fn container_response(
     )]
     .into_iter()
     .collect();
+    // An MPS replica brings what reaches its GPU's server: the pipe directory, the shared
+    // memory and the client limits.
+    let mut mounts: Vec<Mount> = Vec::new();
+    for client in devices
+        .iter()
+        .filter_map(|d| d.replica.as_ref()?.client.as_ref())
+    {
+        envs.extend(client.envs.clone());
+        for m in &client.mounts {
+            if !mounts.iter().any(|x| x.container_path == m.container_path) {
+                mounts.push(Mount {
+                    container_path: m.container_path.clone(),
+                    host_path: m.host_path.clone(),
+                    read_only: m.read_only,
+                });
+            }
+        }
+    }
     Ok(ContainerAllocateResponse {
         envs,
-        mounts: Vec::new(),
+        mounts,
         devices: Vec::new(),
         annotations,
         cdi_devices: names.into_iter().map(|name| CdiDevice { name }).collect(),
     })
 }
 
-/// Time-sliced replicas for one container (allowed when the pool does not fail requests for
-/// more than one): each next replica from the device this container has the fewest of, then
-/// the one with the most replicas still free (the least used by other pods), so that the
-/// container gets as many distinct GPUs as it can, on the quietest ones.
-fn spread_replicas(
+/// Shared replicas for one container (more than one is allowed when the pool does not fail
+/// such requests), one at a time. Spread: from the device this container has the fewest of,
+/// then the one with the most replicas still free (the least used by other pods), so the
+/// container gets as many distinct GPUs as it can, on the quietest ones. Pack: from the device
+/// this container already has, then the busiest one with a replica free, so that whole GPUs
+/// stay free for pods that need them.
+fn place_replicas(
     view: &ResourceView,
     chosen: &[String],
     candidates: &[&AdvertisedDevice],
     need: usize,
+    pack: bool,
 ) -> Vec<String> {
     let mut mine: HashMap<String, usize> = HashMap::new();
     for id in chosen {
@@ -262,12 +284,10 @@ fn spread_replicas(
     for _ in 0..need {
         let Some((i, _)) = left.iter().enumerate().min_by_key(|(_, d)| {
             let device = d.underlying().to_string();
-            (
-                mine.get(&device).copied().unwrap_or(0),
-                Reverse(free.get(&device).copied().unwrap_or(0)),
-                d.parent_gpu,
-                d.id.clone(),
-            )
+            let mine = mine.get(&device).copied().unwrap_or(0) as i64;
+            let free = free.get(&device).copied().unwrap_or(0) as i64;
+            let (first, second) = if pack { (-mine, free) } else { (mine, -free) };
+            (first, second, d.parent_gpu, d.id.clone())
         }) else {
             break;
         };
@@ -316,8 +336,9 @@ pub fn preferred_allocation(
     candidates.sort_by(|a, b| (a.parent_gpu, &a.id).cmp(&(b.parent_gpu, &b.id)));
     candidates.dedup_by(|a, b| a.id == b.id);
     let need = size - chosen.len();
-    if candidates.iter().any(|d| d.replica.is_some()) {
-        chosen.extend(spread_replicas(view, &chosen, &candidates, need));
+    if let Some(replica) = candidates.iter().find_map(|d| d.replica.as_ref()) {
+        let pack = replica.placement == Placement::Pack;
+        chosen.extend(place_replicas(view, &chosen, &candidates, need, pack));
         return chosen;
     }
     if candidates.len() <= need {
@@ -473,23 +494,100 @@ mod tests {
     }
 
     fn shared_view(fail_greater_than_one: bool) -> ResourceView {
+        shared_view_with(crate::plugin::sharing::Share {
+            replicas: 4,
+            rename_by_default: false,
+            fail_requests_greater_than_one: fail_greater_than_one,
+            gpus: None,
+            resources: None,
+            clients: Default::default(),
+            placement: Placement::Spread,
+        })
+    }
+
+    fn shared_view_with(rule: crate::plugin::sharing::Share) -> ResourceView {
         let resources = std::collections::BTreeMap::from([(
             "nvidia.com/gpu".parse().unwrap(),
             vec![dev("GPU-0", 0, None, "0"), dev("GPU-1", 1, None, "1")],
         )]);
-        let shared = crate::plugin::sharing::time_slice(
-            resources,
-            &crate::plugin::sharing::TimeSlicing {
-                replicas: 4,
-                rename_by_default: false,
-                fail_requests_greater_than_one: fail_greater_than_one,
-                gpus: None,
-                resources: None,
-            },
-        )
-        .unwrap();
+        let shared = crate::plugin::sharing::share(resources, &rule).unwrap();
         let (name, devices) = shared.into_iter().next().unwrap();
         ResourceView::new(name, 1, devices, Arc::default())
+    }
+
+    #[test]
+    fn packed_replicas_fill_the_busiest_device_first() {
+        let view = shared_view_with(crate::plugin::sharing::Share {
+            replicas: 4,
+            rename_by_default: false,
+            fail_requests_greater_than_one: false,
+            gpus: None,
+            resources: None,
+            clients: Default::default(),
+            placement: Placement::Pack,
+        });
+        // GPU-0 has one replica free (three are in use), GPU-1 all four.
+        let available = s(&["GPU-0::3", "GPU-1::0", "GPU-1::1", "GPU-1::2", "GPU-1::3"]);
+        assert_eq!(
+            preferred_allocation(&view, &available, &[], 1),
+            ["GPU-0::3"],
+            "the busiest device first, keeping GPU-1 free for a whole-GPU tenant"
+        );
+        assert_eq!(
+            preferred_allocation(&view, &available, &[], 2),
+            ["GPU-0::3", "GPU-1::0"]
+        );
+    }
+
+    #[test]
+    fn an_mps_replica_brings_its_servers_pipe_shared_memory_and_limits() {
+        use crate::plugin::model::{HostMount, ShareClient};
+        let client = Arc::new(ShareClient {
+            envs: std::collections::BTreeMap::from([
+                ("CUDA_MPS_PIPE_DIRECTORY".into(), "/tmp/nvidia-mps".into()),
+                ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), "25".into()),
+            ]),
+            mounts: vec![
+                HostMount {
+                    host_path: "/run/gpupool/mps/GPU-1/pipe".into(),
+                    container_path: "/tmp/nvidia-mps".into(),
+                    read_only: false,
+                },
+                HostMount {
+                    host_path: "/run/gpupool/mps/GPU-1/shm".into(),
+                    container_path: "/dev/shm".into(),
+                    read_only: false,
+                },
+            ],
+        });
+        let view = shared_view_with(crate::plugin::sharing::Share {
+            replicas: 4,
+            rename_by_default: false,
+            fail_requests_greater_than_one: true,
+            gpus: None,
+            resources: None,
+            clients: std::collections::BTreeMap::from([(1, client)]),
+            placement: Placement::Spread,
+        });
+        let r = container_response(&view, &s(&["GPU-1::2"]), &AllocateOptions::default()).unwrap();
+        assert_eq!(r.envs["CUDA_MPS_PIPE_DIRECTORY"], "/tmp/nvidia-mps");
+        assert_eq!(r.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25");
+        assert_eq!(r.envs[NVIDIA_VISIBLE_DEVICES], "GPU-1");
+        let mounts: Vec<(&str, &str)> = r
+            .mounts
+            .iter()
+            .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
+            .collect();
+        assert_eq!(
+            mounts,
+            [
+                ("/run/gpupool/mps/GPU-1/pipe", "/tmp/nvidia-mps"),
+                ("/run/gpupool/mps/GPU-1/shm", "/dev/shm")
+            ]
+        );
+        // GPU 0 has no server here: whole, and nothing MPS about it.
+        let r = container_response(&view, &s(&["GPU-0"]), &AllocateOptions::default()).unwrap();
+        assert!(r.mounts.is_empty() && !r.envs.contains_key("CUDA_MPS_PIPE_DIRECTORY"));
     }
 
     #[test]

@@ -283,8 +283,12 @@ impl HealthTracker {
         let mut out = base.clone();
         for devices in out.resources.values_mut() {
             for device in devices.iter_mut() {
-                // A replica is as healthy as the device it shares.
-                device.health = self.device_health(device.underlying(), device.parent_gpu);
+                // A replica is as healthy as the device it shares. A device the agent already
+                // advertises Unhealthy (an MPS replica whose server is down) stays so.
+                let tracked = self.device_health(device.underlying(), device.parent_gpu);
+                if !tracked.is_healthy() || device.health.is_healthy() {
+                    device.health = tracked;
+                }
             }
         }
         out

@@ -231,7 +231,7 @@ pub struct AdvertisedDevice {
     pub replica: Option<Replica>,
 }
 
-/// What a time-slicing replica stands for.
+/// What a sharing replica (time-slicing or MPS) stands for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Replica {
     /// The underlying device's kubelet ID.
@@ -239,6 +239,42 @@ pub struct Replica {
     /// Whether a container asking for more than one replica of this resource is refused (it
     /// would get no more compute than with one).
     pub fail_requests_greater_than_one: bool,
+    /// What a container given this replica needs beyond the device (MPS: the daemon's pipe
+    /// directory and shared memory, the client limits); `None` for time-slicing.
+    pub client: Option<Arc<ShareClient>>,
+    /// How a container's replicas are chosen among the free ones.
+    pub placement: Placement,
+}
+
+/// Where `GetPreferredAllocation` puts shared replicas (a preference: the kubelet picks the
+/// devices, among those the scheduler left on the node).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// Across devices, quietest first: fewer neighbours per pod.
+    #[default]
+    Spread,
+    /// Onto the busiest device with room: whole GPUs stay free longer.
+    Pack,
+}
+
+/// Environment and host mounts `Allocate` adds for a container given a shared device.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ShareClient {
+    /// Environment variables, by name.
+    pub envs: BTreeMap<String, String>,
+    /// Host directories mounted into the container.
+    pub mounts: Vec<HostMount>,
+}
+
+/// A host path mounted into a container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostMount {
+    /// The path on the host.
+    pub host_path: String,
+    /// Where the container sees it.
+    pub container_path: String,
+    /// Read-only.
+    pub read_only: bool,
 }
 
 impl AdvertisedDevice {
