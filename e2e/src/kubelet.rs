@@ -270,6 +270,8 @@ pub struct Agent {
     pub cdi_spec: PathBuf,
     /// The fake NVML's fixture.
     pub fixture: PathBuf,
+    /// The MPS root the agent keeps its daemons' directories in (host terms).
+    pub mps_root: PathBuf,
 }
 
 impl Agent {
@@ -289,6 +291,7 @@ impl Agent {
             kmsg,
             log,
             state,
+            ..
         } = &files;
         let driver_root = &setup.driver_root;
         let out = fs::File::create(log)?;
@@ -304,6 +307,8 @@ impl Agent {
             .arg(&setup.cdi_dir)
             .arg("--driver-root")
             .arg(driver_root)
+            .arg("--mps-root")
+            .arg(dir.join("mps"))
             .arg("--proc-root")
             .arg(driver_root.join("proc"))
             // An empty kernel log: the host's own /dev/kmsg is not this fake GPU node's.
@@ -366,6 +371,7 @@ impl Agent {
             kmsg,
             log,
             state,
+            mps_root,
         } = &files;
         let kubelet_dir = kubelet.kubelet_dir()?;
         let pod_resources_dir = kubelet
@@ -403,7 +409,10 @@ impl Agent {
             .arg(mount(&setup.cdi_dir, &setup.cdi_dir, "rbind:rw"))
             // The fake NVML keeps its state in a file it rewrites.
             .arg("--mount")
-            .arg(mount(dir, dir, "rbind:rw"));
+            .arg(mount(dir, dir, "rbind:rw"))
+            // The MPS root, writable under /host as the chart mounts it.
+            .arg("--mount")
+            .arg(mount(mps_root, &at_host(mps_root), "rbind:rw"));
         let env = [
             ("GPUPOOL_FAKE_NVML_FIXTURE", fixture.clone()),
             ("GPUPOOL_FAKE_NVML_STATE", state.clone()),
@@ -431,6 +440,7 @@ impl Agent {
             ))
             .arg(format!("--cdi-dir={}", setup.cdi_dir.display()))
             .arg("--host-root=/host")
+            .arg(format!("--mps-root={}", mps_root.display()))
             .arg(format!("--driver-root={}", driver_root.display()))
             .arg(format!(
                 "--proc-root={}",
@@ -528,6 +538,7 @@ struct AgentFiles {
     kmsg: PathBuf,
     log: PathBuf,
     state: PathBuf,
+    mps_root: PathBuf,
 }
 
 impl AgentFiles {
@@ -538,7 +549,9 @@ impl AgentFiles {
             kmsg: dir.join("kmsg"),
             log: dir.join("agent.log"),
             state: dir.join("nvml-state.json"),
+            mps_root: dir.join("mps"),
         };
+        fs::create_dir_all(&files.mps_root)?;
         fs::write(&files.fixture, &setup.fixture)?;
         fs::write(&files.kmsg, "")?;
         Ok(files)
@@ -557,6 +570,7 @@ impl AgentFiles {
             state: self.state,
             cdi_spec: setup.cdi_dir.join("gpupool-nvidia.yaml"),
             fixture: self.fixture,
+            mps_root: self.mps_root,
         }
     }
 }

@@ -298,6 +298,7 @@ fn default_render_has_the_documented_shape() -> Result<()> {
             ("/var/run/cdi".to_owned(), false),
             ("/dev".to_owned(), true),
             ("/host".to_owned(), true),
+            ("/host/run/gpupool/mps".to_owned(), false),
         ]
     );
     // The host's `/` at /host, never over the image's /usr or /lib; the agent reads the
@@ -319,6 +320,14 @@ fn default_render_has_the_documented_shape() -> Result<()> {
         .filter_map(|a| a.as_str())
         .collect();
     assert!(args.contains(&"--host-root=/host"), "{args:?}");
+    // MPS: the one writable directory under /host, where the chrooted daemons find it.
+    assert!(args.contains(&"--mps-root=/run/gpupool/mps"), "{args:?}");
+    let mps = pod["volumes"]
+        .as_array()
+        .and_then(|v| v.iter().find(|v| v["name"] == "mps"))
+        .context("mps volume")?;
+    assert_eq!(mps["hostPath"]["path"], "/run/gpupool/mps");
+    assert_eq!(mps["hostPath"]["type"], "DirectoryOrCreate");
     assert!(
         !args.iter().any(|a| a.starts_with("--driver-root")),
         "{args:?}"

@@ -21,7 +21,10 @@
 //!   no stale count comes back when the kubelet restarts;
 //! - time-slicing GPU 1 four ways: capacity 4, four pods admitted on its CDI device and
 //!   reported on it as shared (isolation None), a fifth Pending, a request for two replicas
-//!   refused at admission with the reason.
+//!   refused at admission with the reason;
+//! - MPS on GPU 1: the agent runs its (fake) control daemon and sends it exactly the limit
+//!   commands; two clients admitted, each container given the server's pipe directory, shared
+//!   memory and limits; a killed daemon takes the replicas out of allocatable until its restart.
 //!
 //! Opt-in: runs when `GPUPOOL_E2E_KUBELET=1`; otherwise (or when `e2e/kubelet check` says this
 //! machine cannot run a kubelet) it prints why and passes without doing anything.
@@ -344,6 +347,217 @@ async fn time_slicing(
     Ok(())
 }
 
+/// The PIDs of the MPS control daemons (`nvidia-cuda-mps-control -f`) run from `driver_root`.
+fn mps_daemon_pids(driver_root: &Path) -> Vec<i32> {
+    let program = driver_root.join("usr/bin/nvidia-cuda-mps-control");
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let Ok(cmdline) = fs::read(format!("/proc/{pid}/cmdline")) else {
+                return false;
+            };
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            args.iter()
+                .any(|a| *a == program.as_os_str().as_encoded_bytes())
+                && args.iter().any(|a| *a == b"-f")
+        })
+        .collect()
+}
+
+/// Step 9: GPU 1 under MPS, two clients of 4 GiB and 50 % of the threads each. The agent starts
+/// the (fake) control daemon on GPU 1 and sends it exactly the two limit commands; capacity
+/// becomes 2; both pods' containers get GPU 1's CDI device, its server's pipe directory and
+/// shared memory, and the limits as environment; GPU 1 reports isolation `Memory`. Killing the
+/// daemon takes both replicas out of allocatable until the agent's restart is up.
+async fn mps(
+    client: &Client,
+    scope: &TestScope,
+    kubelet: &RealKubelet,
+    agent: &Agent,
+    gpunodes: &Api<GpuNode>,
+    driver_root: &Path,
+) -> Result<()> {
+    let node = &kubelet.node;
+    let patch = json!({"spec": {"sharing": {"mps": {
+        "replicas": 2, "gpus": [1], "memoryLimit": "4Gi", "activeThreadPercentage": 50,
+    }}}});
+    gpunodes
+        .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    let status = wait_status(
+        client,
+        node,
+        "GPU 1 under MPS, its daemon running",
+        Duration::from_secs(60),
+        |s| {
+            s.gpus.get(1).is_some_and(|g| {
+                g.sharing
+                    .as_ref()
+                    .is_some_and(|s| s.mode == "MPS" && s.daemon.as_deref() == Some("Running"))
+            })
+        },
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let gpu = status
+        .status
+        .as_ref()
+        .and_then(|s| s.gpus.get(1))
+        .context("no GPU 1 in status")?;
+    let sharing = gpu.sharing.clone().context("GPU 1 not shared")?;
+    ensure!(
+        sharing.isolation == "Memory"
+            && sharing.replicas == 2
+            && sharing.memory_limit_mib == Some(4096)
+            && sharing.active_thread_percentage == Some(50),
+        "GPU 1 sharing in status: {sharing:?}"
+    );
+    let uuid = gpu.uuid.clone();
+    wait_node_resources(
+        client,
+        node,
+        "GPU 1 as two MPS clients",
+        Duration::from_secs(60),
+        &[(GPU, Some(2), Some(2))],
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let gpu_dir = agent.mps_root.join(&uuid);
+    let log = gpu_dir.join("log/control.log");
+    // The control client returns once its input is in the pipe; the daemon writes it down
+    // right after.
+    let commands = poll(
+        "the daemon's record of its limits",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || async {
+            let text = fs::read_to_string(&log).unwrap_or_default();
+            Ok((text.lines().count() >= 3).then_some(text))
+        },
+    )
+    .await?;
+    ensure!(
+        commands.lines().collect::<Vec<_>>()
+            == [
+                format!("start devices={uuid}").as_str(),
+                "set_default_active_thread_percentage 50",
+                "set_default_device_pinned_mem_limit 0 4096M",
+            ],
+        "the daemon was told: {commands:?}"
+    );
+
+    let want = format!("gpupool.io/gpu={uuid}");
+    let names: Vec<String> = (0..2).map(|i| scope.name(&format!("mps-{i}"))).collect();
+    for name in &names {
+        create_pod(client, scope, &gpu_pod(scope, name, node, GPU, 1)?).await?;
+    }
+    for name in &names {
+        wait_pod(
+            client,
+            scope,
+            name,
+            &format!("{name} Running"),
+            Duration::from_secs(60),
+            |p| phase(p) == "Running",
+        )
+        .await?;
+        let creates = kubelet.creates_of(scope.namespace(), name)?;
+        ensure!(creates.len() == 1, "{name}: {creates:?}");
+        let record = &creates[0];
+        let (cdi, _, visible) = recorded_devices(record);
+        ensure!(
+            cdi == [want.clone()] && visible.as_deref() == Some(uuid.as_str()),
+            "{name}: CDI devices {cdi:?}, NVIDIA_VISIBLE_DEVICES {visible:?}"
+        );
+        let env = &record["env"];
+        ensure!(
+            env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
+                && env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
+                && env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50",
+            "{name}: env {env}"
+        );
+        let mounts: Vec<(String, String)> = record["config"]["mounts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|m| {
+                (
+                    m["hostPath"].as_str().unwrap_or_default().to_owned(),
+                    m["containerPath"].as_str().unwrap_or_default().to_owned(),
+                )
+            })
+            .collect();
+        for (host, container) in [
+            (gpu_dir.join("pipe"), "/tmp/nvidia-mps"),
+            (gpu_dir.join("shm"), "/dev/shm"),
+        ] {
+            ensure!(
+                mounts.contains(&(host.display().to_string(), container.to_owned())),
+                "{name}: no {} at {container} in {mounts:?}",
+                host.display()
+            );
+        }
+    }
+    eprintln!("e2e: GPU 1 under MPS: two clients admitted with its pipe, shm and limits");
+
+    // The daemon dies: both replicas leave allocatable until its restart is up.
+    let pids = mps_daemon_pids(driver_root);
+    ensure!(pids.len() == 1, "MPS daemons running: {pids:?}");
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &pids[0].to_string()])
+        .status()?;
+    ensure!(killed.success(), "kill -KILL {}: {killed}", pids[0]);
+    wait_node_resources(
+        client,
+        node,
+        "GPU 1's replicas unhealthy while its daemon is down",
+        Duration::from_secs(60),
+        &[(GPU, Some(2), Some(0))],
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    wait_node_resources(
+        client,
+        node,
+        "GPU 1's replicas back once the daemon is restarted",
+        Duration::from_secs(90),
+        &[(GPU, Some(2), Some(2))],
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let starts = fs::read_to_string(&log)?
+        .lines()
+        .filter(|l| l.starts_with("start "))
+        .count();
+    ensure!(starts == 2, "the daemon was started {starts} times");
+    eprintln!("e2e: a dead MPS daemon took GPU 1's replicas down until its restart");
+
+    for name in &names {
+        delete_pod_and_wait(client, scope, name).await?;
+    }
+    let patch = json!({"spec": {"sharing": null}});
+    gpunodes
+        .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    poll(
+        "the MPS daemon told to quit",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || async {
+            let text = fs::read_to_string(&log).unwrap_or_default();
+            let quit =
+                text.lines().last() == Some("quit") && mps_daemon_pids(driver_root).is_empty();
+            Ok(quit.then_some(()))
+        },
+    )
+    .await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn real_kubelet_admits_gpu_pods_through_the_plugin() -> Result<()> {
     if let Some(why) = skip_reason(Runtime::FakeCri) {
@@ -416,7 +630,7 @@ async fn real_kubelet_admits_gpu_pods_through_the_plugin() -> Result<()> {
         fixture: format!(
             "node: {node}\ndevice_nodes: ignored\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\n"
         ),
-        driver_root,
+        driver_root: driver_root.clone(),
         cdi_dir: dir.join("cdi"),
         nvml_dev_dir: None,
     };
@@ -635,6 +849,8 @@ async fn real_kubelet_admits_gpu_pods_through_the_plugin() -> Result<()> {
 
     // 8. GPU 1 time-sliced four ways.
     time_slicing(&client, &scope, &kubelet, &agent, &gpunodes).await?;
+    // 9. GPU 1 under MPS.
+    mps(&client, &scope, &kubelet, &agent, &gpunodes, &driver_root).await?;
     let _ = fs::remove_dir_all(&dir);
     drop(agent);
     Ok(())

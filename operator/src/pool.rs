@@ -1523,9 +1523,12 @@ pub(crate) mod tests {
         );
         assert_eq!(h100.time_slicing, None);
         let mps = h100.mps.expect("MPS reaches the H100 node");
-        assert_eq!((mps.replicas, mps.models), (8, None));
+        assert_eq!((mps.replicas, mps.models.clone()), (8, None));
         assert_eq!(mps.memory_limit_mib(), Some(10 * 1024));
-        let l4 = node_sharing(&sharing, &labels(&[("nvidia.com/gpu.product", "NVIDIA-L4")]));
+        let l4 = node_sharing(
+            &sharing,
+            &labels(&[("nvidia.com/gpu.product", "NVIDIA-L4")]),
+        );
         assert!(l4.mps.is_none() && l4.time_slicing.is_some());
         assert_eq!(
             sharing_summary(&sharing),

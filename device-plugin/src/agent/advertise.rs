@@ -5,14 +5,14 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpupool_crds::policy::{
-    CdiDeviceNameStrategy, MigStrategy as CrdMigStrategy, MpsPolicy, SharePlacement,
-    SharingPolicy, TimeSlicingPolicy,
+    CdiDeviceNameStrategy, MigStrategy as CrdMigStrategy, MpsPolicy, SharePlacement, SharingPolicy,
+    TimeSlicingPolicy,
 };
 
 use crate::backend::{self, GpuBackend, PcieLink};
 use crate::inventory::Inventory;
-use crate::plugin::sharing;
 use crate::plugin::model::{Health, Placement, ShareClient};
+use crate::plugin::sharing;
 use crate::plugin::{
     self, Advertisement, CdiNaming, GpuDescription, LinkKind, MigDescription, Topology,
 };
@@ -132,10 +132,7 @@ pub fn advertisement(
         }
     }
     for device in resources.values_mut().flatten() {
-        let served_by_down_daemon = device
-            .replica
-            .as_ref()
-            .is_some_and(|r| r.client.is_some());
+        let served_by_down_daemon = device.replica.as_ref().is_some_and(|r| r.client.is_some());
         if let (true, Some(why)) = (served_by_down_daemon, mps.down.get(&device.parent_gpu)) {
             device.health = Health::Unhealthy {
                 reason: why.clone(),

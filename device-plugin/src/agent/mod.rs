@@ -24,6 +24,7 @@ pub mod mps;
 pub mod reconcile;
 pub mod reconfigure;
 pub mod sampling;
+pub mod sharing_gate;
 pub mod status;
 #[cfg(test)]
 mod testing;

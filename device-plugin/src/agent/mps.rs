@@ -84,7 +84,11 @@ pub fn desired(inventory: &Inventory, mps: Option<&MpsPolicy>) -> Vec<DaemonSpec
         .gpus
         .iter()
         .filter(|g| !g.mig_enabled())
-        .filter(|g| mps.gpus.as_ref().is_none_or(|s| s.contains(&g.device.index)))
+        .filter(|g| {
+            mps.gpus
+                .as_ref()
+                .is_none_or(|s| s.contains(&g.device.index))
+        })
         .map(|g| DaemonSpec {
             index: g.device.index,
             uuid: g.device.uuid.to_string(),
@@ -341,6 +345,12 @@ impl MpsJob {
         &self.paths
     }
 
+    /// The driver root (host terms) the control program is run from: the GpuNode's, unless
+    /// the agent's flag overrides it.
+    pub fn set_driver_root(&mut self, driver_root: PathBuf) {
+        self.paths.driver_root = driver_root;
+    }
+
     /// Tells the agent loop through `wake` when a daemon exits.
     pub fn set_waker(&mut self, wake: mpsc::Sender<()>) {
         self.wake = Some(wake);
@@ -405,24 +415,22 @@ impl MpsJob {
                 }
                 Phase::Running => {}
                 Phase::Failed { retry_at, .. } if retry_at > now => at(retry_at),
-                Phase::Failed { .. } => {
-                    match start(&self.paths, &daemon.spec, self.wake.clone()) {
-                        Ok((pid, exit)) => {
-                            tracing::info!(gpu = index, pid, "MPS control daemon started");
-                            daemon.pid = Some(pid);
-                            daemon.exit = exit;
-                            daemon.phase = Phase::Starting { since: now };
-                            at(now + START_POLL);
-                        }
-                        Err(reason) => {
-                            daemon.failures += 1;
-                            let retry_at = now + backoff(daemon.failures);
-                            tracing::warn!(gpu = index, %reason, "MPS control daemon not started");
-                            daemon.phase = Phase::Failed { reason, retry_at };
-                            at(retry_at);
-                        }
+                Phase::Failed { .. } => match start(&self.paths, &daemon.spec, self.wake.clone()) {
+                    Ok((pid, exit)) => {
+                        tracing::info!(gpu = index, pid, "MPS control daemon started");
+                        daemon.pid = Some(pid);
+                        daemon.exit = exit;
+                        daemon.phase = Phase::Starting { since: now };
+                        at(now + START_POLL);
                     }
-                }
+                    Err(reason) => {
+                        daemon.failures += 1;
+                        let retry_at = now + backoff(daemon.failures);
+                        tracing::warn!(gpu = index, %reason, "MPS control daemon not started");
+                        daemon.phase = Phase::Failed { reason, retry_at };
+                        at(retry_at);
+                    }
+                },
                 Phase::Starting { since } => {
                     let pipe = self
                         .paths
@@ -700,7 +708,11 @@ mod tests {
         );
         assert_eq!(one.len(), 1);
         assert_eq!(
-            (one[0].index, one[0].memory_limit_mib, one[0].active_thread_percentage),
+            (
+                one[0].index,
+                one[0].memory_limit_mib,
+                one[0].active_thread_percentage
+            ),
             (1, 2048, 40)
         );
         assert_eq!(
@@ -775,6 +787,19 @@ mod tests {
             .collect()
     }
 
+    /// The fake daemon's record once it holds `n` lines: the client returns once its input is
+    /// in the pipe, before the daemon has written it down (at most 10 s).
+    async fn logged(path: &Path, n: usize) -> Vec<String> {
+        for _ in 0..100 {
+            let lines = log_lines(path);
+            if lines.len() >= n {
+                return lines;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        log_lines(path)
+    }
+
     /// The real supervision path against the fake control program of the fake driver root:
     /// the exact commands it receives, its `/dev/shm`, a crash taking the GPU down until the
     /// restart is up, and `quit` when the GPU is no longer shared.
@@ -803,11 +828,15 @@ mod tests {
         };
         let want = [spec.clone()];
         let running = |j: &MpsJob| j.states().get(&0) == Some(&Ok(()));
-        assert!(sync_until(&mut job, &want, running).await, "{:?}", job.states());
+        assert!(
+            sync_until(&mut job, &want, running).await,
+            "{:?}",
+            job.states()
+        );
         let dirs = paths.gpu_dirs(&spec.uuid);
         let log = dirs.log.join("control.log");
         assert_eq!(
-            log_lines(&log),
+            logged(&log, 3).await,
             [
                 format!("start devices={}", spec.uuid),
                 "set_default_active_thread_percentage 25".into(),
@@ -833,10 +862,23 @@ mod tests {
             .expect("the loop is woken when the daemon exits");
         job.sync(&want, Instant::now()).await;
         let down = job.states()[&0].clone().unwrap_err();
-        assert!(down.contains("not running") && down.contains("exited"), "{down}");
-        assert!(job.sharing()[&0].daemon.as_deref().unwrap().starts_with("Failed"));
-        assert!(sync_until(&mut job, &want, running).await, "{:?}", job.states());
-        let lines = log_lines(&log);
+        assert!(
+            down.contains("not running") && down.contains("exited"),
+            "{down}"
+        );
+        assert!(
+            job.sharing()[&0]
+                .daemon
+                .as_deref()
+                .unwrap()
+                .starts_with("Failed")
+        );
+        assert!(
+            sync_until(&mut job, &want, running).await,
+            "{:?}",
+            job.states()
+        );
+        let lines = logged(&log, 6).await;
         assert_eq!(lines.len(), 6, "{lines:?}");
         assert_eq!(lines[3], format!("start devices={}", spec.uuid));
 
@@ -847,7 +889,7 @@ mod tests {
         }];
         job.sync(&tighter, Instant::now()).await;
         assert_eq!(
-            log_lines(&log)[6..],
+            logged(&log, 8).await[6..],
             [
                 "set_default_active_thread_percentage 25",
                 "set_default_device_pinned_mem_limit 0 10240M"
@@ -857,6 +899,9 @@ mod tests {
         // No longer shared: told to quit.
         job.sync(&[], Instant::now()).await;
         assert!(job.states().is_empty());
-        assert_eq!(log_lines(&log).last().map(String::as_str), Some("quit"));
+        assert_eq!(
+            logged(&log, 9).await.last().map(String::as_str),
+            Some("quit")
+        );
     }
 }

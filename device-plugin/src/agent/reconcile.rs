@@ -8,7 +8,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use gpupool_crds::node::{GpuNode, Verdict};
+use gpupool_crds::node::{GpuNode, PodRef, Verdict};
+use gpupool_crds::policy::SharingPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::{Recorder, Reporter};
@@ -24,6 +25,7 @@ use super::labels::NodeLabeler;
 use super::mps::{self, MpsJob, MpsPaths};
 use super::reconfigure::{MigJob, MigProgress};
 use super::sampling::SamplingJob;
+use super::sharing_gate::SharingGate;
 use super::status::{self, StatusInputs, StatusPublisher};
 use super::validation::ValidationJob;
 use super::{Agent, FIELD_MANAGER, blocking};
@@ -43,6 +45,10 @@ pub struct NodeState {
     foreign: ForeignPluginJob,
     /// The MPS control daemons (public to the loop: it hands them a waker and stops them).
     pub mps: MpsJob,
+    /// The sharing applied, held back while a mode change drains its GPUs.
+    sharing_gate: SharingGate,
+    /// What the gate last let through (for status).
+    sharing: SharingPolicy,
     /// The agent's own conditions, carried from one status to the next.
     conditions: Vec<Condition>,
     status: StatusPublisher,
@@ -90,6 +96,8 @@ impl NodeState {
                     .unwrap_or_else(|| PathBuf::from("/")),
                 private_shm: true,
             }),
+            sharing_gate: SharingGate::default(),
+            sharing: SharingPolicy::default(),
             conditions: Vec::new(),
             status: StatusPublisher::new(agent.client.clone(), agent.config.heartbeat),
             labels: NodeLabeler::new(agent.client.clone(), config.node_name.clone()),
@@ -184,7 +192,18 @@ impl NodeState {
                 &spec.cdi,
                 inv,
             );
-            let daemons = mps::desired(inv, spec.sharing.mps.as_ref());
+            self.mps.set_driver_root(
+                agent
+                    .config
+                    .driver_root
+                    .clone()
+                    .unwrap_or_else(|| spec.cdi.driver_root.clone().into()),
+            );
+            let occupied = occupied_gpus(inv, &self.sampling.pods);
+            self.sharing = self
+                .sharing_gate
+                .step(inv, &spec.sharing, spec.mig.strategy, &occupied);
+            let daemons = mps::desired(inv, self.sharing.mps.as_ref());
             mps_wake = self.mps.sync(&daemons, Instant::now()).await;
             let mps_view = MpsView {
                 clients: self.mps.clients(),
@@ -199,7 +218,7 @@ impl NodeState {
                 inv,
                 spec.mig.strategy,
                 &spec.cdi.device_name_strategies,
-                &spec.sharing,
+                &self.sharing,
                 &mps_view,
                 self.topology.clone(),
             );
@@ -272,7 +291,7 @@ impl NodeState {
         inventory: Option<&Result<Inventory, String>>,
         health: &BTreeMap<String, plugin::Health>,
     ) {
-        let mig = self.mig.status();
+        let mig = self.sharing_gate.status(self.mig.status());
         let observed = Observed {
             checks: self.validation.checks().to_vec(),
             mig: Some(mig.clone()),
@@ -300,6 +319,7 @@ impl NodeState {
                 cdi_state: self.cdi.state(),
                 foreign_plugin: self.foreign.findings(),
                 mps: &self.mps.sharing(),
+                sharing: &self.sharing,
             },
             &mut self.conditions,
             Timestamp::now(),
@@ -318,6 +338,24 @@ impl NodeState {
             foreign_device_plugins: self.foreign.findings().map(|f| f.live.len() as u32),
         }));
     }
+}
+
+/// The GPUs pods hold, from the devices PodResources names (a GPU's UUID, or a MIG device's on
+/// it).
+fn occupied_gpus(
+    inv: &Inventory,
+    pods: &BTreeMap<String, Vec<PodRef>>,
+) -> std::collections::BTreeSet<u32> {
+    inv.gpus
+        .iter()
+        .filter(|g| {
+            let own = std::iter::once(g.device.uuid.to_string());
+            let migs = g.mig_devices.iter().map(|m| m.uuid.to_string());
+            own.chain(migs)
+                .any(|id| pods.get(&id).is_some_and(|p| !p.is_empty()))
+        })
+        .map(|g| g.device.index)
+        .collect()
 }
 
 /// Each GPU's health as Events tell it: the health monitor's verdict on the advertised device,

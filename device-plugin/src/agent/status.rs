@@ -233,6 +233,8 @@ pub struct StatusInputs<'a> {
     pub foreign_plugin: Option<&'a Findings>,
     /// The sharing of each GPU under MPS, with its daemon's state.
     pub mps: &'a BTreeMap<u32, GpuSharing>,
+    /// The sharing applied (the GpuNode's, unless a mode change waits for pods to leave).
+    pub sharing: &'a SharingPolicy,
 }
 
 /// GpuNode status from `inputs`. `conditions` carries the agent's conditions from one build to
@@ -258,7 +260,7 @@ pub fn build_status(
                     &kind,
                     cdi_naming(&spec.cdi.device_name_strategies),
                 ),
-                &spec.sharing,
+                inputs.sharing,
                 spec.mig.strategy,
                 inputs.mps,
             ),
@@ -489,7 +491,12 @@ mod tests {
         );
         let some = ts(Some(vec![1, 2]), Some(vec!["nvidia.com/mig-1g.10gb"]));
         assert_eq!(
-            shared(with_sharing(gpus.clone(), &some, CrdMigStrategy::Mixed, &none)),
+            shared(with_sharing(
+                gpus.clone(),
+                &some,
+                CrdMigStrategy::Mixed,
+                &none
+            )),
             [2]
         );
         // A GPU under MPS reports its daemon's sharing, whatever time-slicing says.
@@ -596,6 +603,7 @@ mod tests {
                 cdi_state: None,
                 foreign_plugin: None,
                 mps: &BTreeMap::new(),
+                sharing: &SharingPolicy::default(),
             },
             &mut Vec::new(),
             Timestamp::from_second(1_700_000_000).unwrap(),
@@ -639,7 +647,8 @@ mod tests {
                     cdi: None,
                     cdi_state: state,
                     foreign_plugin: None,
-                mps: &BTreeMap::new(),
+                    mps: &BTreeMap::new(),
+                    sharing: &SharingPolicy::default(),
                 },
                 conditions,
                 Timestamp::from_second(1_700_000_000).unwrap(),
@@ -708,7 +717,8 @@ mod tests {
                     cdi: None,
                     cdi_state: None,
                     foreign_plugin: findings,
-                mps: &BTreeMap::new(),
+                    mps: &BTreeMap::new(),
+                    sharing: &SharingPolicy::default(),
                 },
                 &mut conditions,
                 Timestamp::from_second(1_700_000_000).unwrap(),
@@ -859,6 +869,7 @@ mod tests {
                 cdi_state: None,
                 foreign_plugin: Some(&found),
                 mps: &BTreeMap::new(),
+                sharing: &SharingPolicy::default(),
             },
             &mut Vec::new(),
             Timestamp::from_second(1_700_000_000).unwrap(),

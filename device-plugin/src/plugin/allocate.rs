@@ -123,13 +123,17 @@ pub enum AllocateError {
     /// More than one replica of a time-sliced resource for one container, where the pool
     /// says such requests fail (they would get no more compute than one).
     #[error(
-        "{resource} is time-sliced: {asked} replicas would give this container no more GPU than 1; request 1, or set the pool's sharing.timeSlicing.failRequestsGreaterThanOne to false"
+        "{resource} is shared ({mode}): {asked} replicas would give this container no more GPU than 1; request 1, or set the pool's sharing.{field}.failRequestsGreaterThanOne to false"
     )]
     SharedRequestTooLarge {
         /// The resource asked for.
         resource: String,
         /// How many replicas the container asked for.
         asked: usize,
+        /// `time-sliced` or `MPS`.
+        mode: &'static str,
+        /// The pool's sharing field: `timeSlicing` or `mps`.
+        field: &'static str,
     },
 }
 
@@ -194,16 +198,21 @@ pub fn container_response(
             ids: unhealthy,
         });
     }
-    if devices.len() > 1
-        && devices.iter().any(|d| {
-            d.replica
-                .as_ref()
-                .is_some_and(|r| r.fail_requests_greater_than_one)
-        })
-    {
+    let strict = devices.iter().find_map(|d| {
+        d.replica
+            .as_ref()
+            .filter(|r| r.fail_requests_greater_than_one)
+    });
+    if let (true, Some(replica)) = (devices.len() > 1, strict) {
+        let (mode, field) = match replica.client {
+            Some(_) => ("MPS", "mps"),
+            None => ("time-sliced", "timeSlicing"),
+        };
         return Err(AllocateError::SharedRequestTooLarge {
             resource: view.resource.to_string(),
             asked: devices.len(),
+            mode,
+            field,
         });
     }
     // Replicas of one device are that device, once.
@@ -585,6 +594,15 @@ mod tests {
                 ("/run/gpupool/mps/GPU-1/shm", "/dev/shm")
             ]
         );
+        let err = container_response(&view, &s(&["GPU-1::0", "GPU-1::1"]), &Default::default())
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("shared (MPS)")
+                && err
+                    .to_string()
+                    .contains("sharing.mps.failRequestsGreaterThanOne"),
+            "{err}"
+        );
         // GPU 0 has no server here: whole, and nothing MPS about it.
         let r = container_response(&view, &s(&["GPU-0"]), &AllocateOptions::default()).unwrap();
         assert!(r.mounts.is_empty() && !r.envs.contains_key("CUDA_MPS_PIPE_DIRECTORY"));
@@ -634,11 +652,14 @@ mod tests {
             err,
             AllocateError::SharedRequestTooLarge {
                 resource: "nvidia.com/gpu".into(),
-                asked: 2
+                asked: 2,
+                mode: "time-sliced",
+                field: "timeSlicing",
             }
         );
         assert!(
-            err.to_string().contains("failRequestsGreaterThanOne"),
+            err.to_string()
+                .contains("sharing.timeSlicing.failRequestsGreaterThanOne"),
             "{err}"
         );
         // Allowed: two replicas of one GPU are that GPU once; of two GPUs, both.

@@ -66,9 +66,11 @@ pub fn share(
     let mut out: BTreeMap<ResourceName, Vec<AdvertisedDevice>> = BTreeMap::new();
     let replicas = rule.replicas.clamp(2, MAX_REPLICAS);
     for (resource, devices) in resources {
-        let selected_resource = rule.resources.as_ref().is_none_or(|r| r.contains(&resource));
-        let shared_resource = if rule.rename_by_default && !resource.as_str().ends_with(".shared")
-        {
+        let selected_resource = rule
+            .resources
+            .as_ref()
+            .is_none_or(|r| r.contains(&resource));
+        let shared_resource = if rule.rename_by_default && !resource.as_str().ends_with(".shared") {
             shared_name(&resource)?
         } else {
             resource.clone()
