@@ -442,6 +442,11 @@ pub struct GpuStatus {
     /// How the GPU (or its MIG devices) is shared between pods; absent: one pod per device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sharing: Option<GpuSharing>,
+    /// Each share's idleness on a shared whole GPU, one per replica a pod holds, judged on that
+    /// pod's own processes (NVML per-process utilization): one idle tenant shows idle while its
+    /// neighbour works. `unknown` when a busy process on the GPU cannot be told apart.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shares: Vec<Idleness>,
     /// Idleness (whole GPU; MIG devices carry their own).
     #[serde(default, flatten)]
     pub idleness: Idleness,

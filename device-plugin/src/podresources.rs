@@ -26,7 +26,7 @@ pub enum PodResourcesError {
 }
 
 /// Device ID (UUID) → pods holding it, for `nvidia.com/*` resources, from the kubelet's
-/// PodResources `List`.
+/// PodResources `List`; each shared replica's ID (`<UUID>::<n>`) → the pod holding it, too.
 pub async fn list_pod_devices(
     socket: &Path,
     timeout: Duration,
@@ -61,10 +61,18 @@ pub async fn list_pod_devices(
                     continue;
                 }
                 for id in devices.device_ids {
-                    // A time-slicing replica (`<device>::<n>`) is held on its device: the pods
-                    // sharing a GPU are all that GPU's holders.
+                    // A shared replica (`<device>::<n>`) is held on its device: the pods
+                    // sharing a GPU are all that GPU's holders. The replica is kept too, held
+                    // by its one pod, for per-share idleness.
                     let device = match id.split_once(crate::plugin::sharing::REPLICA_SEPARATOR) {
-                        Some((device, _)) => device.to_owned(),
+                        Some((device, _)) => {
+                            out.entry(id.clone()).or_default().push(PodRef {
+                                namespace: pod.namespace.clone(),
+                                name: pod.name.clone(),
+                                container: Some(container.name.clone()),
+                            });
+                            device.to_owned()
+                        }
                         None => id,
                     };
                     let holders = out.entry(device).or_default();

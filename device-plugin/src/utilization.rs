@@ -7,6 +7,7 @@
 //! whose activity cannot be observed is `Unknown`, which is never idle.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use gpupool_crds::node::{Activity, Idleness, PodRef};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -105,6 +106,107 @@ pub fn sample(
             }
         };
         out.insert(gpu.device.uuid.to_string(), sample);
+    }
+    out
+}
+
+/// The activity of every share a pod holds on a shared whole GPU (`held`: GPU UUID → the replica
+/// IDs held on it), keyed by replica ID (see [`share_activity`]). Shares of MIG devices are not
+/// told apart here: the reclaimer judges those by their device.
+pub fn sample_shares(
+    backend: &dyn GpuBackend,
+    inventory: &Inventory,
+    held: &BTreeMap<String, Vec<String>>,
+    proc_root: &Path,
+    threshold: u32,
+) -> BTreeMap<String, Activity> {
+    let mut out = BTreeMap::new();
+    for gpu in inventory.gpus.iter().filter(|g| !g.mig_enabled()) {
+        let Some(replicas) = held.get(gpu.device.uuid.as_str()) else {
+            continue;
+        };
+        let index = gpu.device.index;
+        let activity = match backend.processes(index) {
+            Ok(ps) => {
+                let pids: Vec<u32> = ps.iter().map(|p| p.pid).collect();
+                let used = backend.process_utilization(index).ok();
+                share_activity(
+                    replicas,
+                    &pids,
+                    used.as_deref(),
+                    |pid| share_ids(proc_root, pid),
+                    threshold,
+                )
+            }
+            Err(_) => replicas
+                .iter()
+                .map(|r| (r.clone(), Activity::Unknown))
+                .collect(),
+        };
+        out.extend(activity);
+    }
+    out
+}
+
+/// The share IDs (replica kubelet IDs) a process was given, from the environment `Allocate`
+/// set for its container (`GPUPOOL_SHARE_ID`), read at `<proc_root>/<pid>/environ`. `None` when
+/// it cannot be read or names none: whose process it is cannot be told.
+pub fn share_ids(proc_root: &Path, pid: u32) -> Option<Vec<String>> {
+    let environ = std::fs::read(proc_root.join(pid.to_string()).join("environ")).ok()?;
+    let prefix = format!("{}=", crate::plugin::allocate::SHARE_ID_ENV);
+    environ
+        .split(|b| *b == 0)
+        .filter_map(|kv| std::str::from_utf8(kv).ok())
+        .find_map(|kv| kv.strip_prefix(prefix.as_str()))
+        .map(|ids| {
+            ids.split(',')
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect()
+        })
+        .filter(|ids: &Vec<String>| !ids.is_empty())
+}
+
+/// Each share (replica ID in `held`) of one shared GPU, judged on its own processes: busy when
+/// one of them used more than `threshold` percent of the SM time (`used`, NVML's per-process
+/// samples; a running process without a sample used none), idle otherwise, a share without
+/// processes included. A busy process whose share cannot be told (`owner` gives `None`) could be
+/// anyone's: then every share is unknown. Without per-process samples, every share is unknown.
+pub fn share_activity(
+    held: &[String],
+    processes: &[u32],
+    used: Option<&[crate::backend::ProcessUtilization]>,
+    owner: impl Fn(u32) -> Option<Vec<String>>,
+    threshold: u32,
+) -> BTreeMap<String, Activity> {
+    let unknown = || {
+        held.iter()
+            .map(|h| (h.clone(), Activity::Unknown))
+            .collect()
+    };
+    let Some(used) = used else {
+        return unknown();
+    };
+    let mut out: BTreeMap<String, Activity> =
+        held.iter().map(|h| (h.clone(), Activity::Idle)).collect();
+    for &pid in processes {
+        let sm = used
+            .iter()
+            .find(|u| u.pid == pid)
+            .map_or(0, |u| u.sm_percent);
+        if sm <= threshold {
+            continue;
+        }
+        match owner(pid) {
+            Some(ids) => {
+                for id in ids {
+                    if let Some(a) = out.get_mut(&id) {
+                        *a = Activity::Busy;
+                    }
+                }
+            }
+            None => return unknown(),
+        }
     }
     out
 }

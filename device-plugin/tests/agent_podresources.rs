@@ -64,6 +64,8 @@ impl PodResourcesLister for Kubelet {
                     &["MIG-c"],
                 ),
                 pod("net", "sriov", "c", "intel.com/sriov", &["GPU-a"]),
+                pod("nb", "one", "lab", "nvidia.com/gpu.shared", &["GPU-d::0"]),
+                pod("nb", "two", "lab", "nvidia.com/gpu.shared", &["GPU-d::1"]),
             ],
         }))
     }
@@ -120,7 +122,16 @@ async fn maps_devices_to_pods_from_the_kubelet() {
         map.get("MIG-c"),
         Some(&vec![holder("ml", "infer-0", "server")])
     );
-    assert_eq!(map.len(), 3);
+    // Shared replicas: the device is held by both pods, each replica by its own.
+    assert_eq!(
+        map.get("GPU-d"),
+        Some(&vec![
+            holder("nb", "one", "lab"),
+            holder("nb", "two", "lab")
+        ])
+    );
+    assert_eq!(map.get("GPU-d::1"), Some(&vec![holder("nb", "two", "lab")]));
+    assert_eq!(map.len(), 6);
     server.abort();
 }
 
@@ -165,5 +176,58 @@ fn samples_whole_gpus_by_utilization_and_never_calls_unknown_idle() {
             .idleness(inv.gpus[0].device.uuid.as_str(), vec![])
             .idle_since
             .is_none()
+    );
+}
+
+/// Per-share idleness on a shared GPU: each pod judged on its own processes, told apart by the
+/// share IDs `Allocate` put in their environment (read from a fake `/proc`).
+#[test]
+fn shares_are_judged_on_their_own_processes() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/faults.yaml");
+    let clock = ManualSimClock::new();
+    let backend = SimBackend::from_file(&fixture, Arc::new(clock.clone())).unwrap();
+    let inv = Inventory::read(&backend).unwrap();
+    // GPU 2 at 60 s: process 3001 at 30 % SM, 3002 running but using none.
+    clock.set(60.0);
+    let uuid = inv.gpus[2].device.uuid.to_string();
+    let share = |n: u32| format!("{uuid}::{n}");
+    let held =
+        std::collections::BTreeMap::from([(uuid.clone(), vec![share(0), share(1), share(2)])]);
+    let proc = tempfile::tempdir().unwrap();
+    let environ = |pid: u32, env: &str| {
+        let dir = proc.path().join(pid.to_string());
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("environ"), env).unwrap();
+    };
+    environ(
+        3001,
+        &format!("PATH=/bin\0GPUPOOL_SHARE_ID={}\0HOME=/\0", share(0)),
+    );
+    environ(3002, &format!("GPUPOOL_SHARE_ID={}\0", share(1)));
+    let act = utilization::sample_shares(&backend, &inv, &held, proc.path(), 5);
+    assert_eq!(act[&share(0)], Activity::Busy, "its process works");
+    assert_eq!(
+        act[&share(1)],
+        Activity::Idle,
+        "its process runs but uses nothing"
+    );
+    assert_eq!(act[&share(2)], Activity::Idle, "no process at all");
+    assert_eq!(act.len(), 3, "only the held shares");
+    // Above its 30 %, the busy tenant counts as idle too.
+    assert_eq!(
+        utilization::sample_shares(&backend, &inv, &held, proc.path(), 40)[&share(0)],
+        Activity::Idle
+    );
+    // The busy process's share cannot be read: nobody can be called idle.
+    std::fs::remove_file(proc.path().join("3001/environ")).unwrap();
+    let act = utilization::sample_shares(&backend, &inv, &held, proc.path(), 5);
+    assert!(act.values().all(|a| *a == Activity::Unknown), "{act:?}");
+    // An idle process without a share ID changes nothing.
+    environ(3001, &format!("GPUPOOL_SHARE_ID={}\0", share(0)));
+    std::fs::remove_file(proc.path().join("3002/environ")).unwrap();
+    let act = utilization::sample_shares(&backend, &inv, &held, proc.path(), 5);
+    assert_eq!(
+        (act[&share(0)], act[&share(1)]),
+        (Activity::Busy, Activity::Idle)
     );
 }

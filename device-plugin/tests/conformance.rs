@@ -467,6 +467,37 @@ fn utilization_and_processes() {
     });
 }
 
+/// Per-process utilization, which per-share idleness is judged by: only the processes that ran
+/// give a sample (3002 runs but uses no SM time), and a GPU without processes gives none.
+#[test]
+fn process_utilization() {
+    use gpupool_device_plugin::backend::ProcessUtilization;
+    conform("faults.yaml", |h| {
+        let b = h.backend();
+        let mut t = Vec::new();
+        for at in [10.0, 60.0] {
+            h.set_time(at);
+            for gpu in [0, 2] {
+                t.push(line(
+                    &format!("process util {gpu} at {at}"),
+                    &b.process_utilization(gpu),
+                ));
+            }
+        }
+        h.set_time(60.0);
+        assert_eq!(b.processes(2).unwrap().len(), 2);
+        assert_eq!(
+            b.process_utilization(2).unwrap(),
+            [ProcessUtilization {
+                pid: 3001,
+                sm_percent: 30
+            }]
+        );
+        assert!(b.process_utilization(0).unwrap().is_empty());
+        t
+    });
+}
+
 #[test]
 fn mig_utilization_from_gpm() {
     conform("faults.yaml", |h| {

@@ -43,18 +43,37 @@ impl From<&Idleness> for DeviceIdleness {
 }
 
 /// The devices each pod holds on a node, keyed by `(namespace, name)`. A GPU split into MIG
-/// devices is represented by its MIG devices, which carry their own idleness.
+/// devices is represented by its MIG devices, which carry their own idleness. A pod sharing a
+/// device (time-slicing, MPS) is judged on its own share when the agent reports one; else by
+/// the device only when the device is idle (then so is every share of it), and otherwise as
+/// unknown: a busy shared device says nothing about one tenant.
 pub fn devices_by_pod(gn: &GpuNode) -> BTreeMap<(String, String), Vec<DeviceIdleness>> {
     let mut out: BTreeMap<(String, String), Vec<DeviceIdleness>> = BTreeMap::new();
     let Some(status) = &gn.status else {
         return out;
     };
     for gpu in &status.gpus {
+        let shared = gpu.sharing.is_some();
+        let shares = &gpu.shares;
         let mut add = |i: &Idleness| {
             for p in &i.pods {
+                let own = shares.iter().find(|s| {
+                    s.pods
+                        .iter()
+                        .any(|h| h.namespace == p.namespace && h.name == p.name)
+                });
+                let judged: DeviceIdleness = match (shared, own) {
+                    (false, _) => i.into(),
+                    (true, Some(share)) => share.into(),
+                    (true, None) if i.activity == Activity::Idle => i.into(),
+                    (true, None) => DeviceIdleness {
+                        activity: Activity::Unknown,
+                        idle_since: None,
+                    },
+                };
                 out.entry((p.namespace.clone(), p.name.clone()))
                     .or_default()
-                    .push(i.into());
+                    .push(judged);
             }
         };
         if gpu.mig_devices.is_empty() {
@@ -1033,6 +1052,83 @@ mod tests {
         assert_eq!(
             by_pod[&("ml".to_owned(), "b".to_owned())][0].activity,
             Activity::Busy
+        );
+    }
+
+    /// Two tenants on one time-sliced GPU: the idle one is judged idle on its own share while
+    /// the GPU is busy with its neighbour; a tenant the agent reports no share for is unknown
+    /// on a busy GPU, and idle on an idle one.
+    #[test]
+    fn a_shared_gpus_tenants_are_judged_on_their_own_shares() {
+        use gpupool_crds::node::{GpuNodeStatus, GpuSharing, GpuStatus, PodRef};
+        let holder = |name: &str| PodRef {
+            namespace: "nb".into(),
+            name: name.into(),
+            container: None,
+        };
+        let share = |name: &str, activity, since: Option<&str>| Idleness {
+            activity,
+            idle_since: since.map(|s| Time(ts(s))),
+            pods: vec![holder(name)],
+        };
+        let gpu = |activity, shares: Vec<Idleness>| GpuStatus {
+            index: 0,
+            sharing: Some(GpuSharing {
+                mode: "TimeSlicing".into(),
+                replicas: 4,
+                isolation: "None".into(),
+                ..Default::default()
+            }),
+            shares,
+            idleness: Idleness {
+                activity,
+                idle_since: (activity == Activity::Idle).then(|| Time(ts("2026-03-01T02:00:00Z"))),
+                pods: vec![holder("idle"), holder("busy"), holder("unreported")],
+            },
+            ..Default::default()
+        };
+        let node = |g: GpuStatus| {
+            let mut gn = GpuNode::new(
+                "n",
+                gpupool_crds::GpuNodeSpec {
+                    sharing: Default::default(),
+                    pool: "p".into(),
+                    driver: Default::default(),
+                    cdi: Default::default(),
+                    mig: Default::default(),
+                    utilization: Default::default(),
+                },
+            );
+            gn.status = Some(GpuNodeStatus {
+                gpus: vec![g],
+                ..Default::default()
+            });
+            gn
+        };
+        let key = |n: &str| ("nb".to_owned(), n.to_owned());
+        let busy_gpu = node(gpu(
+            Activity::Busy,
+            vec![
+                share("idle", Activity::Idle, Some("2026-03-01T00:00:00Z")),
+                share("busy", Activity::Busy, None),
+            ],
+        ));
+        let by_pod = devices_by_pod(&busy_gpu);
+        assert_eq!(
+            by_pod[&key("idle")],
+            [DeviceIdleness {
+                activity: Activity::Idle,
+                idle_since: Some(ts("2026-03-01T00:00:00Z")),
+            }],
+            "idle on its own share while the GPU is busy"
+        );
+        assert_eq!(by_pod[&key("busy")][0].activity, Activity::Busy);
+        assert_eq!(by_pod[&key("unreported")][0].activity, Activity::Unknown);
+        let idle_gpu = node(gpu(Activity::Idle, Vec::new()));
+        assert_eq!(
+            devices_by_pod(&idle_gpu)[&key("unreported")][0].idle_since,
+            Some(ts("2026-03-01T02:00:00Z")),
+            "an idle device: every share of it is idle"
         );
     }
 }

@@ -214,4 +214,8 @@ pub struct ProcessFixture {
     /// Compute instance the process runs in (MIG).
     #[serde(default)]
     pub compute_instance: Option<u32>,
+    /// The process's own SM utilization, percent (NVML's per-process samples); absent or 0:
+    /// no sample, as NVML reports a process that did not run.
+    #[serde(default)]
+    pub sm_util: u32,
 }

@@ -182,6 +182,8 @@ pub struct SimProcess {
     pub gpu_instance: Option<u32>,
     /// Compute instance, if on a MIG device.
     pub compute_instance: Option<u32>,
+    /// Its own SM utilization, percent.
+    pub sm_util: u32,
 }
 
 impl SimState {
@@ -423,6 +425,7 @@ impl SimState {
                 used_memory_mib: p.used_memory_mib,
                 gpu_instance: p.gpu_instance,
                 compute_instance: p.gpu_instance.map(|_| p.compute_instance.unwrap_or(0)),
+                sm_util: p.sm_util.min(100),
             })
             .collect())
     }

@@ -79,6 +79,7 @@ impl NodeState {
             validation: ValidationJob::new(config.kmsg_path.clone(), config.validate_interval, now),
             sampling: SamplingJob::new(
                 config.pod_resources_socket.clone(),
+                config.proc_root.clone(),
                 config.idle_samples,
                 now,
             ),

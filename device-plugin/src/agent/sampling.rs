@@ -22,6 +22,8 @@ const MIN_INTERVAL: Duration = Duration::from_millis(200);
 /// Samples, idleness and the pods holding each device.
 pub struct SamplingJob {
     socket: PathBuf,
+    /// Where the host's `/proc` is (the environment of the processes on shared GPUs).
+    proc_root: PathBuf,
     next: Instant,
     /// Idleness per device, with hysteresis.
     pub idle: IdleTracker,
@@ -35,9 +37,15 @@ pub struct SamplingJob {
 
 impl SamplingJob {
     /// A job reading PodResources at `socket`, a device idle after `idle_samples` idle samples.
-    pub fn new(socket: PathBuf, idle_samples: u32, now: Instant) -> SamplingJob {
+    pub fn new(
+        socket: PathBuf,
+        proc_root: PathBuf,
+        idle_samples: u32,
+        now: Instant,
+    ) -> SamplingJob {
         SamplingJob {
             socket,
+            proc_root,
             next: now,
             idle: IdleTracker::new(idle_samples),
             samples: BTreeMap::new(),
@@ -78,20 +86,6 @@ impl SamplingJob {
         threshold: u32,
         interval: Duration,
     ) {
-        let inv2 = inv.clone();
-        let samples = blocking(backend, move |b| utilization::sample(b, &inv2, threshold))
-            .await
-            .unwrap_or_default();
-        let activity = samples
-            .iter()
-            .map(|(k, s)| (k.clone(), s.activity))
-            .collect();
-        // Three missed samples in a row (and at least a minute: reclaim waits 5 minutes at
-        // the least, so shorter stalls do not matter) break an idle run: the time nobody
-        // looked is not counted as idle.
-        let max_gap = (interval * 3).max(Duration::from_secs(60));
-        self.idle.observe(&activity, Timestamp::now(), max_gap);
-        self.samples = samples;
         match podresources::list_pod_devices(&self.socket, Duration::from_secs(5)).await {
             Ok(map) => {
                 self.pods = map;
@@ -102,5 +96,33 @@ impl SamplingJob {
                 self.pod_resources = Some(Err(e.to_string()));
             }
         }
+        // The replicas pods hold, per shared GPU: each is judged on its own processes.
+        let mut held: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for id in self.pods.keys() {
+            if let Some((device, _)) = id.split_once(crate::plugin::sharing::REPLICA_SEPARATOR) {
+                held.entry(device.to_owned()).or_default().push(id.clone());
+            }
+        }
+        let inv2 = inv.clone();
+        let proc_root = self.proc_root.clone();
+        let (samples, shares) = blocking(backend, move |b| {
+            (
+                utilization::sample(b, &inv2, threshold),
+                utilization::sample_shares(b, &inv2, &held, &proc_root, threshold),
+            )
+        })
+        .await
+        .unwrap_or_default();
+        let mut activity: BTreeMap<String, _> = samples
+            .iter()
+            .map(|(k, s)| (k.clone(), s.activity))
+            .collect();
+        activity.extend(shares);
+        // Three missed samples in a row (and at least a minute: reclaim waits 5 minutes at
+        // the least, so shorter stalls do not matter) break an idle run: the time nobody
+        // looked is not counted as idle.
+        let max_gap = (interval * 3).max(Duration::from_secs(60));
+        self.idle.observe(&activity, Timestamp::now(), max_gap);
+        self.samples = samples;
     }
 }

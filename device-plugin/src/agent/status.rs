@@ -89,6 +89,19 @@ pub fn with_sharing(
     gpus
 }
 
+/// The idleness of each replica pods hold on the GPU `uuid` (`<uuid>::<n>` in `pods`).
+fn shares_of(
+    uuid: &str,
+    idle: &IdleTracker,
+    pods: &BTreeMap<String, Vec<PodRef>>,
+) -> Vec<Idleness> {
+    let prefix = format!("{uuid}{}", crate::plugin::sharing::REPLICA_SEPARATOR);
+    pods.range(prefix.clone()..)
+        .take_while(|(id, _)| id.starts_with(&prefix))
+        .map(|(id, holders)| idle.idleness(id, holders.clone()))
+        .collect()
+}
+
 /// The `gpus` list of GpuNode status. MIG devices' `cdiName` is `cdi_kind` qualifying the name
 /// `naming` gives them: the one the kubelet plugins' `Allocate` hands out.
 pub fn gpu_statuses(
@@ -165,6 +178,11 @@ pub fn gpu_statuses(
                     .map(|m| m.pending),
                 mig_devices,
                 sharing: None,
+                shares: if g.mig_enabled() {
+                    Vec::new()
+                } else {
+                    shares_of(&uuid, idle, pods)
+                },
                 idleness: if g.mig_enabled() {
                     Idleness::default()
                 } else {

@@ -94,6 +94,10 @@ pub trait GpuBackend: Send + Sync {
     fn mig_utilization(&self, gpu: u32, gi: GpuInstanceId) -> Result<Option<Utilization>>;
     /// Compute processes on a GPU, with the MIG device each runs on, sorted by PID.
     fn processes(&self, gpu: u32) -> Result<Vec<ComputeProcess>>;
+    /// The processes on a GPU that used it since the previous call (the first call: since the
+    /// driver started buffering), each with its own SM utilization, sorted by PID. A running
+    /// process missing here did not run. A process's samples over the period are averaged.
+    fn process_utilization(&self, gpu: u32) -> Result<Vec<ProcessUtilization>>;
 }
 
 /// A subscription to health events.

@@ -493,6 +493,15 @@ pub struct ComputeProcess {
     pub compute_instance: Option<ComputeInstanceId>,
 }
 
+/// One process's own utilization over the last sample period (NVML's per-process samples).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ProcessUtilization {
+    /// Process ID (in the host PID namespace).
+    pub pid: u32,
+    /// SM utilization, percent.
+    pub sm_percent: u32,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

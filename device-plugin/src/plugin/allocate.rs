@@ -17,6 +17,10 @@ pub const CDI_ANNOTATION_PREFIX: &str = "cdi.k8s.io/";
 const MAX_ANNOTATION_NAME_LEN: usize = 63;
 /// The environment variable the legacy NVIDIA runtime hook reads.
 pub const NVIDIA_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
+/// Names the shared replicas a container was given (comma-separated kubelet IDs), so the agent
+/// can tell whose process on a shared GPU is whose: it reads this from the processes'
+/// environment and judges each pod's idleness on its own processes.
+pub const SHARE_ID_ENV: &str = "GPUPOOL_SHARE_ID";
 
 /// One resource's devices as served to the kubelet, with a lookup index and
 /// the `ListAndWatch` message prebuilt.
@@ -215,6 +219,11 @@ pub fn container_response(
             field,
         });
     }
+    let replicas: Vec<&str> = devices
+        .iter()
+        .filter(|d| d.replica.is_some())
+        .map(|d| d.id.as_str())
+        .collect();
     // Replicas of one device are that device, once.
     let mut seen = HashSet::new();
     devices.retain(|d| seen.insert(d.underlying().clone()));
@@ -238,6 +247,9 @@ pub fn container_response(
     )]
     .into_iter()
     .collect();
+    if !replicas.is_empty() {
+        envs.insert(SHARE_ID_ENV.to_owned(), replicas.join(","));
+    }
     // An MPS replica brings what reaches its GPU's server: the pipe directory, the shared
     // memory and the client limits.
     let mut mounts: Vec<Mount> = Vec::new();
@@ -638,6 +650,17 @@ mod tests {
         let names: Vec<&str> = r.cdi_devices.iter().map(|d| d.name.as_str()).collect();
         assert_eq!(names, ["gpupool.io/gpu=1"]);
         assert_eq!(r.envs[NVIDIA_VISIBLE_DEVICES], "GPU-1");
+        assert_eq!(
+            r.envs[SHARE_ID_ENV], "GPU-1::2",
+            "the share, for per-share idleness"
+        );
+        let whole = container_response(
+            &gpus_view(Topology::new()),
+            &s(&["GPU-0"]),
+            &AllocateOptions::default(),
+        )
+        .unwrap();
+        assert!(!whole.envs.contains_key(SHARE_ID_ENV));
     }
 
     #[test]

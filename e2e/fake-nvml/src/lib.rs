@@ -385,7 +385,6 @@ macro_rules! not_supported {
 
 not_supported!(
     nvmlDeviceGetPowerUsage,
-    nvmlDeviceGetProcessUtilization,
     nvmlDeviceGetSerial,
     nvmlDeviceGetVbiosVersion,
     nvmlDeviceGetBoardPartNumber,
@@ -754,6 +753,52 @@ export! {
             };
             // SAFETY: the caller's array holds `capacity` >= procs.len() entries.
             out(unsafe { infos.add(i) }, info)?;
+        }
+        Ok(())
+    }
+
+    // Per-process samples: one per process of the GPU whose fixture gives it a non-zero
+    // `sm_util`, stamped now (CPU microseconds), when now is after `last_seen`. With a null
+    // array the count is set and, when there are samples, `INSUFFICIENT_SIZE` returned.
+    fn nvmlDeviceGetProcessUtilization(device: nvmlDevice_t, utilization: *mut sys::nvmlProcessUtilizationSample_t, count: *mut c_uint, last_seen: c_ulonglong) {
+        let c = ctx()?;
+        let g = gpu_of(&c, device)?;
+        let (state, now) = c.read()?;
+        if sim(state.mig_mode(&c.node, g, now)).is_ok_and(|(current, _)| current) {
+            return Err(NOT_SUPPORTED);
+        }
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or(0);
+        let samples: Vec<_> = sim(state.processes(&c.node, g, now))?
+            .into_iter()
+            .filter(|_| c.sees_processes && stamp > last_seen)
+            .filter(|p| p.sm_util > 0)
+            .collect();
+        if count.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null in/out count pointer.
+        let capacity = unsafe { *count } as usize;
+        out(count, samples.len() as c_uint)?;
+        if samples.is_empty() {
+            return Ok(());
+        }
+        if utilization.is_null() || samples.len() > capacity {
+            return Err(INSUFFICIENT_SIZE);
+        }
+        for (i, p) in samples.iter().enumerate() {
+            let sample = sys::nvmlProcessUtilizationSample_t {
+                pid: p.pid,
+                timeStamp: stamp,
+                smUtil: p.sm_util,
+                memUtil: 0,
+                encUtil: 0,
+                decUtil: 0,
+            };
+            // SAFETY: the caller's array holds `capacity` >= samples.len() entries.
+            out(unsafe { utilization.add(i) }, sample)?;
         }
         Ok(())
     }

@@ -5,7 +5,7 @@
 
 pub mod raw;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -23,8 +23,8 @@ use super::{
     Architecture, CiProfileId, ComputeInstance, ComputeInstanceId, ComputeInstanceProfile,
     ComputeProcess, CudaVersion, DriverInfo, Error, ErrorKind, GiProfileId, GpuBackend, GpuDevice,
     GpuInstance, GpuInstanceId, GpuInstanceProfile, HealthEvent, HealthEventKind, HealthEvents,
-    HealthSnapshot, MigDevice, MigMode, MigModeChange, MigProfile, PcieLink, Placement, Result,
-    Topology, Utilization,
+    HealthSnapshot, MigDevice, MigMode, MigModeChange, MigProfile, PcieLink, Placement,
+    ProcessUtilization, Result, Topology, Utilization,
 };
 use gpupool_mig_catalog as catalog;
 use raw::{Raw, RawError};
@@ -58,6 +58,9 @@ pub struct NvmlBackend {
     /// Previous GPM sample per (GPU, GPU instance), as the address NVML gave it (a raw
     /// pointer is not `Send`); freed when replaced and on drop.
     gpm_baselines: Mutex<HashMap<(u32, u32), usize>>,
+    /// The newest per-process sample timestamp seen per GPU (CPU microseconds, NVML's clock),
+    /// so each call asks only for the samples since the previous one.
+    process_samples_seen: Mutex<HashMap<u32, u64>>,
 }
 
 impl Drop for NvmlBackend {
@@ -120,6 +123,7 @@ impl NvmlBackend {
                     return Ok(NvmlBackend {
                         nvml,
                         gpm_baselines: Mutex::new(HashMap::new()),
+                        process_samples_seen: Mutex::new(HashMap::new()),
                     });
                 }
                 // Not loadable under this name: try the next.
@@ -985,5 +989,38 @@ impl GpuBackend for NvmlBackend {
             .collect();
         out.sort();
         Ok(out)
+    }
+
+    fn process_utilization(&self, gpu: u32) -> Result<Vec<ProcessUtilization>> {
+        let op = "reading process utilization";
+        let since = self
+            .process_samples_seen
+            .lock()
+            .map(|m| m.get(&gpu).copied().unwrap_or(0))
+            .unwrap_or(0);
+        let samples = match self.dev(op, gpu)?.process_utilization_stats(since) {
+            Ok(s) => s,
+            // No process ran since `since`: the driver has no sample to give.
+            Err(NvmlError::NotFound) => Vec::new(),
+            Err(e) => return Err(wrapper_error(op, gpu_target(gpu), e)),
+        };
+        let mut per_pid: BTreeMap<u32, (u64, u32)> = BTreeMap::new();
+        let mut newest = since;
+        for s in &samples {
+            newest = newest.max(s.timestamp);
+            let e = per_pid.entry(s.pid).or_default();
+            e.0 += u64::from(s.sm_util.min(100));
+            e.1 += 1;
+        }
+        if let Ok(mut m) = self.process_samples_seen.lock() {
+            m.insert(gpu, newest);
+        }
+        Ok(per_pid
+            .into_iter()
+            .map(|(pid, (sum, n))| ProcessUtilization {
+                pid,
+                sm_percent: (sum / u64::from(n.max(1))) as u32,
+            })
+            .collect())
     }
 }

@@ -16,7 +16,8 @@ use super::{
     CiProfileId, ComputeInstance, ComputeInstanceId, ComputeInstanceProfile, ComputeProcess,
     CudaVersion, DriverInfo, Error, ErrorKind, GiProfileId, GpuBackend, GpuDevice, GpuInstance,
     GpuInstanceId, GpuInstanceProfile, HealthEvent, HealthEventKind, HealthEvents, HealthSnapshot,
-    MigDevice, MigMode, MigModeChange, PcieLink, Placement, Result, Topology, Utilization,
+    MigDevice, MigMode, MigModeChange, PcieLink, Placement, ProcessUtilization, Result, Topology,
+    Utilization,
 };
 use gpupool_mig_catalog as catalog;
 use gpupool_sim::{EventKey, FaultFixture, Node, SimError, SimState, arch, event_type};
@@ -653,6 +654,26 @@ impl GpuBackend for SimBackend {
             out.sort();
             Ok(out)
         })
+    }
+
+    fn process_utilization(&self, gpu: u32) -> Result<Vec<ProcessUtilization>> {
+        self.read(
+            "reading process utilization",
+            gpu_target(gpu),
+            |s, n, now| {
+                let mut out: Vec<ProcessUtilization> = s
+                    .processes(n, gpu, now)?
+                    .into_iter()
+                    .filter(|p| p.sm_util > 0)
+                    .map(|p| ProcessUtilization {
+                        pid: p.pid,
+                        sm_percent: p.sm_util,
+                    })
+                    .collect();
+                out.sort();
+                Ok(out)
+            },
+        )
     }
 }
 
