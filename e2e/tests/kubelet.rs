@@ -214,6 +214,7 @@ async fn time_slicing(
     kubelet: &RealKubelet,
     agent: &Agent,
     gpunodes: &Api<GpuNode>,
+    driver_root: &Path,
 ) -> Result<()> {
     let node = &kubelet.node;
     let patch = json!({"spec": {"sharing": {"timeSlicing": {
@@ -287,6 +288,7 @@ async fn time_slicing(
         "GPU 1 sharing in status: {sharing:?}"
     );
     eprintln!("e2e: GPU 1 time-sliced: four pods admitted on {want}");
+    per_share_idleness(client, kubelet, agent, scope, &names, driver_root).await?;
 
     // A fifth finds no replica free.
     let fifth = scope.name("shared-4");
@@ -344,6 +346,77 @@ async fn time_slicing(
     gpunodes
         .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
         .await?;
+    Ok(())
+}
+
+/// Per-share idleness on time-sliced GPU 1: the first pod's container runs a busy process (80 %
+/// SM), the second's an idle one; they are told apart by the share IDs `Allocate` put in their
+/// environment (the fake `/proc` the agent reads holds it). GpuNode status reports the first
+/// share busy and the second and third idle while the GPU as a whole is busy, which is what
+/// lets the reclaimer take one idle tenant and leave its working neighbour.
+async fn per_share_idleness(
+    client: &Client,
+    kubelet: &RealKubelet,
+    agent: &Agent,
+    scope: &TestScope,
+    names: &[String],
+    driver_root: &Path,
+) -> Result<()> {
+    let share_of = |name: &str| -> Result<String> {
+        let creates = kubelet.creates_of(scope.namespace(), name)?;
+        creates
+            .first()
+            .and_then(|c| c["env"]["GPUPOOL_SHARE_ID"].as_str())
+            .map(str::to_owned)
+            .with_context(|| format!("{name}: no GPUPOOL_SHARE_ID in {creates:?}"))
+    };
+    let (busy_share, idle_share) = (share_of(&names[0])?, share_of(&names[1])?);
+    for (pid, share) in [(7001, &busy_share), (7002, &idle_share)] {
+        let dir = driver_root.join("proc").join(pid.to_string());
+        fs::create_dir_all(&dir)?;
+        fs::write(
+            dir.join("environ"),
+            format!("PATH=/bin\0GPUPOOL_SHARE_ID={share}\0"),
+        )?;
+    }
+    agent.update_nvml_state(|state| {
+        state["processes"] = json!({"1": [
+            {"pid": 7001, "sm_util": 80, "used_memory_mib": 2048},
+            {"pid": 7002, "sm_util": 0, "used_memory_mib": 1024},
+        ]});
+        Ok(())
+    })?;
+    let activity_of = |g: &gpupool_crds::node::GpuStatus, name: &str| {
+        g.shares
+            .iter()
+            .find(|s| s.pods.iter().any(|p| p.name == name))
+            .map(|s| (s.activity, s.idle_since.is_some()))
+    };
+    use gpupool_crds::node::Activity;
+    wait_status(
+        client,
+        &kubelet.node,
+        "each tenant of GPU 1 judged on its own processes",
+        Duration::from_secs(60),
+        |s| {
+            s.gpus.get(1).is_some_and(|g| {
+                g.idleness.activity == Activity::Busy
+                    && activity_of(g, &names[0]) == Some((Activity::Busy, false))
+                    && activity_of(g, &names[1]) == Some((Activity::Idle, true))
+                    && activity_of(g, &names[2]) == Some((Activity::Idle, true))
+            })
+        },
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    eprintln!(
+        "e2e: GPU 1 busy; its tenants judged on their own processes: {} busy, {} and {} idle",
+        names[0], names[1], names[2]
+    );
+    agent.update_nvml_state(|state| {
+        state["processes"] = json!({});
+        Ok(())
+    })?;
     Ok(())
 }
 
@@ -848,7 +921,7 @@ async fn real_kubelet_admits_gpu_pods_through_the_plugin() -> Result<()> {
     );
 
     // 8. GPU 1 time-sliced four ways.
-    time_slicing(&client, &scope, &kubelet, &agent, &gpunodes).await?;
+    time_slicing(&client, &scope, &kubelet, &agent, &gpunodes, &driver_root).await?;
     // 9. GPU 1 under MPS.
     mps(&client, &scope, &kubelet, &agent, &gpunodes, &driver_root).await?;
     let _ = fs::remove_dir_all(&dir);

@@ -383,7 +383,7 @@ async fn chart_on_node(
     helm_in(cluster, scope.namespace(), &args)?;
 
     let installed = installed_chart_works(
-        cluster, client, kubelet, scope, &release, &agent_ns, &node, &spec_path, uuid,
+        cluster, client, kubelet, scope, &release, &agent_ns, &node, &spec_path, uuid, fake_dir,
     )
     .await;
     let report = if installed.is_err() {
@@ -445,6 +445,7 @@ async fn installed_chart_works(
     node: &str,
     spec_path: &Path,
     uuid: &str,
+    fake_dir: &Path,
 ) -> Result<()> {
     // A pool of this node, with the MIG layout the node already has: the operator hands the
     // node its GpuNode, which the agent waits for.
@@ -580,6 +581,94 @@ async fn installed_chart_works(
     ensure!(
         log.contains(&format!("(UUID: {uuid})")),
         "the test pod's NVML did not list the allocated GPU {uuid}:\n{log}"
+    );
+    mps_on_the_node(
+        client, kubelet, scope, &pools, &pool_name, node, fake_dir, uuid,
+    )
+    .await
+}
+
+/// MPS on the real node: GPU 1 shared by two MPS clients. The agent pod runs the GPU's control
+/// daemon (the fake driver's, chrooted into the host's `/` in its own mount namespace); both
+/// clients' containers, started by runc through the chart's agent, see GPU 1's device node and
+/// NVML lists GPU 1 and no other, the daemon's control pipe at `/tmp/nvidia-mps`, the daemon's
+/// shared memory at `/dev/shm` (the file the daemon left there), and the pool's limits.
+#[allow(clippy::too_many_arguments)]
+async fn mps_on_the_node(
+    client: &Client,
+    kubelet: &RealKubelet,
+    scope: &TestScope,
+    pools: &Api<GpuPool>,
+    pool_name: &str,
+    node: &str,
+    fake_dir: &Path,
+    uuid: &str,
+) -> Result<()> {
+    let patch = json!({"spec": {"sharing": {"mps": {
+        "replicas": 2, "gpus": [1], "memoryLimit": "8Gi", "activeThreadPercentage": 50,
+    }}}});
+    pools
+        .patch(
+            pool_name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await?;
+    wait_node_resources(
+        client,
+        node,
+        "GPU 1 as two MPS clients, from the agent pod",
+        Duration::from_secs(90),
+        &[(GPU, Some(2), Some(2))],
+    )
+    .await?;
+    let command = [
+        "/bin/sh",
+        "-c",
+        "/probe && python3 /pyprobe.py \
+         && if [ -p /tmp/nvidia-mps/control ]; then echo mps_pipe=ok; else echo mps_pipe=missing; fi \
+         && if [ -e /dev/shm/gpupool-fake-mps ]; then echo mps_shm=ok; else echo mps_shm=missing; fi \
+         && echo mps_limit=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT \
+         && echo mps_threads=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+    ];
+    let mut whole = control_nodes();
+    whole.insert("/dev/nvidia1".into(), "195:1".into());
+    for i in 0..2 {
+        let name = scope.name(&format!("mps-{i}"));
+        let pod = probe_pod(
+            scope,
+            &name,
+            node,
+            PROBE_IMAGE,
+            &command,
+            Some(GPU),
+            fake_dir,
+            false,
+        )?;
+        let (probe, _) = run_probe(client, scope, kubelet, &pod).await?;
+        check_devices(&probe, &name, &whole)?;
+        check_driver_loads(&probe, &name)?;
+        ensure!(
+            probe.all("pynvml_uuid") == [uuid.to_owned()],
+            "{name}: nvidia-ml-py sees {:?}, want [{uuid}]",
+            probe.all("pynvml_uuid")
+        );
+        for (key, want) in [
+            ("mps_pipe", "ok"),
+            ("mps_shm", "ok"),
+            ("mps_limit", "0=8192M"),
+            ("mps_threads", "50"),
+        ] {
+            ensure!(
+                probe.one(key)? == want,
+                "{name}: {key}={}, want {want}",
+                probe.one(key)?
+            );
+        }
+        delete_pod_and_wait(client, scope, &name).await?;
+    }
+    eprintln!(
+        "e2e: two MPS clients on the real node: GPU {uuid} only, the daemon's pipe and shm, the limits"
     );
     Ok(())
 }

@@ -30,6 +30,10 @@ pub struct SimState {
     /// sequence number at that time.
     #[serde(default)]
     pub clears: BTreeMap<u32, Clear>,
+    /// Compute processes started at runtime, per GPU index (beside the fixture's), for tests
+    /// that start and stop workloads while the node runs.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub processes: BTreeMap<u32, Vec<crate::fixture::ProcessFixture>>,
 }
 
 /// When a GPU's faults were last cleared.
@@ -204,6 +208,7 @@ impl SimState {
             injected: Vec::new(),
             next_seq: 0,
             clears: BTreeMap::new(),
+            processes: BTreeMap::new(),
         }
     }
 
@@ -351,10 +356,11 @@ impl SimState {
         Ok(())
     }
 
-    /// Utilization (SM %, memory %) at `now`.
+    /// Utilization (SM %, memory %) at `now`: the fixture's trace, plus the SM time of the
+    /// processes started at runtime (capped at 100).
     pub fn utilization(&self, node: &Node, gpu: u32, now: f64) -> SimResult<(u32, u32)> {
         self.check_alive(node, gpu, now)?;
-        Ok(node
+        let (sm, mem) = node
             .fixture
             .utilization
             .iter()
@@ -362,7 +368,16 @@ impl SimState {
             .flat_map(|u| &u.busy)
             .find(|p| p.from <= now && p.to.is_none_or(|to| now < to))
             .map(|p| (p.gpu.min(100), p.memory.min(100)))
-            .unwrap_or((0, 0)))
+            .unwrap_or((0, 0));
+        let started: u32 = self
+            .processes
+            .get(&gpu)
+            .into_iter()
+            .flatten()
+            .filter(|p| p.from <= now && p.to.is_none_or(|to| now < to))
+            .map(|p| p.sm_util)
+            .sum();
+        Ok(((sm + started).min(100), mem))
     }
 
     /// Mean utilization (SM %, memory %) of a GPU instance over `[from, to]`, as GPM reports
@@ -410,6 +425,7 @@ impl SimState {
             .iter()
             .filter(|u| u.gpu == gpu)
             .flat_map(|u| &u.processes)
+            .chain(self.processes.get(&gpu).into_iter().flatten())
             .filter(|p| p.from <= now && p.to.is_none_or(|to| now < to))
             .filter(|p| match (p.gpu_instance, p.compute_instance) {
                 (None, _) => !state.mig_current,
