@@ -548,7 +548,7 @@ async fn mps(
         );
         let env = &record["env"];
         ensure!(
-            env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
+            env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/gpupool/mps-pipe"
                 && env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
                 && env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50",
             "{name}: env {env}"
@@ -565,7 +565,7 @@ async fn mps(
             })
             .collect();
         for (host, container) in [
-            (gpu_dir.join("pipe"), "/tmp/nvidia-mps"),
+            (gpu_dir.join("pipe"), "/run/gpupool/mps-pipe"),
             (gpu_dir.join("shm"), "/dev/shm"),
         ] {
             ensure!(

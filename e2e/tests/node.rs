@@ -591,7 +591,7 @@ async fn installed_chart_works(
 /// MPS on the real node: GPU 1 shared by two MPS clients. The agent pod runs the GPU's control
 /// daemon (the fake driver's, chrooted into the host's `/` in its own mount namespace); both
 /// clients' containers, started by runc through the chart's agent, see GPU 1's device node and
-/// NVML lists GPU 1 and no other, the daemon's control pipe at `/tmp/nvidia-mps`, the daemon's
+/// NVML lists GPU 1 and no other, the daemon's control pipe in `$CUDA_MPS_PIPE_DIRECTORY`, the daemon's
 /// shared memory at `/dev/shm` (the file the daemon left there), and the pool's limits.
 #[allow(clippy::too_many_arguments)]
 async fn mps_on_the_node(
@@ -626,7 +626,7 @@ async fn mps_on_the_node(
         "/bin/sh",
         "-c",
         "/probe && python3 /pyprobe.py \
-         && if [ -p /tmp/nvidia-mps/control ]; then echo mps_pipe=ok; else echo mps_pipe=missing; fi \
+         && if [ -p \"$CUDA_MPS_PIPE_DIRECTORY/control\" ]; then echo mps_pipe=ok; else echo mps_pipe=missing; fi \
          && if [ -e /dev/shm/gpupool-fake-mps ]; then echo mps_shm=ok; else echo mps_shm=missing; fi \
          && echo mps_limit=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT \
          && echo mps_threads=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",

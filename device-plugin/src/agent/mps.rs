@@ -9,7 +9,8 @@
 //! the driver expects them. Once its control pipe is up the agent sends it the default limits:
 //! `set_default_active_thread_percentage <pct>` and `set_default_device_pinned_mem_limit 0
 //! <MiB>M` (device 0: the only one the daemon sees). A client container is given the pipe
-//! directory at `/tmp/nvidia-mps`, the `shm` directory at `/dev/shm`, and the same limits as
+//! directory at `/run/gpupool/mps-pipe` (not MPS's default `/tmp/nvidia-mps`, where the CDI
+//! spec mounts the driver root's own pipe directory and would hide ours), the `shm` directory at `/dev/shm`, and the same limits as
 //! environment variables.
 //!
 //! A daemon that exits makes its GPU's replicas Unhealthy until a restart (with backoff, 2 s
@@ -39,8 +40,10 @@ use crate::plugin::model::{HostMount, ShareClient};
 pub const CONTROL_BINARY: &str = "nvidia-cuda-mps-control";
 /// Where the control program is looked for under the driver root.
 const CONTROL_DIRS: [&str; 4] = ["usr/bin", "usr/local/bin", "bin", "usr/sbin"];
-/// The pipe directory as a client container sees it (MPS's default).
-pub const CLIENT_PIPE_DIR: &str = "/tmp/nvidia-mps";
+/// The pipe directory as a client container sees it (`CUDA_MPS_PIPE_DIRECTORY` says so). Not
+/// MPS's default `/tmp/nvidia-mps`: the CDI spec mounts the driver root's there, after (and so
+/// over) the mounts `Allocate` asks for.
+pub const CLIENT_PIPE_DIR: &str = "/run/gpupool/mps-pipe";
 /// The MPS root on the host by default.
 pub const DEFAULT_MPS_ROOT: &str = "/run/gpupool/mps";
 /// The control pipe the daemon creates in its pipe directory once it listens.
@@ -741,7 +744,7 @@ mod tests {
             active_thread_percentage: 25,
         };
         let c = paths.client(&spec);
-        assert_eq!(c.envs["CUDA_MPS_PIPE_DIRECTORY"], "/tmp/nvidia-mps");
+        assert_eq!(c.envs["CUDA_MPS_PIPE_DIRECTORY"], "/run/gpupool/mps-pipe");
         assert_eq!(c.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=10240M");
         assert_eq!(c.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25");
         let mounts: Vec<(&str, &str)> = c
@@ -752,7 +755,7 @@ mod tests {
         assert_eq!(
             mounts,
             [
-                ("/run/gpupool/mps/GPU-a/pipe", "/tmp/nvidia-mps"),
+                ("/run/gpupool/mps/GPU-a/pipe", "/run/gpupool/mps-pipe"),
                 ("/run/gpupool/mps/GPU-a/shm", "/dev/shm")
             ],
             "host paths, as the runtime mounts them"
