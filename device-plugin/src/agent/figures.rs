@@ -1,14 +1,19 @@
 //! The figures the agent's `/metrics` shows, from what its jobs last saw.
 
 use std::collections::BTreeMap;
+use std::time::Instant;
+
+use gpupool_crds::node::Activity;
 
 use crate::inventory::Inventory;
-use crate::metrics_http::{Figures, GpuFigures};
+use crate::metrics_http::{Figures, GpuFigures, MigFigures};
 use crate::plugin;
 use crate::utilization::DeviceSample;
 
 /// What the agent's jobs last saw that `/metrics` shows.
 pub struct FigureInputs<'a> {
+    /// The node the agent runs on.
+    pub node: &'a str,
     /// The GPUs, or why they could not be read.
     pub inventory: Option<&'a Result<Inventory, String>>,
     /// Health per advertised device.
@@ -27,11 +32,18 @@ pub struct FigureInputs<'a> {
     pub cdi_spec_ready: Option<bool>,
     /// Other device plugins' live sockets for NVIDIA resources; `None` before the first scan.
     pub foreign_device_plugins: Option<u32>,
+    /// When a utilization sample last returned figures.
+    pub last_sample: Option<Instant>,
+    /// When the GpuNode status was last written.
+    pub last_status_write: Option<Instant>,
 }
 
 /// The figures for `inputs`.
 pub fn figures(inputs: FigureInputs<'_>) -> Figures {
     let mut figures = Figures {
+        node: inputs.node.to_owned(),
+        last_sample: inputs.last_sample,
+        last_status_write: inputs.last_status_write,
         xids: inputs.xids.clone(),
         validated: inputs.validated,
         status_writes: inputs.status_writes,
@@ -44,9 +56,36 @@ pub fn figures(inputs: FigureInputs<'_>) -> Figures {
         for g in &inv.gpus {
             let uuid = g.device.uuid.to_string();
             let s = inputs.samples.get(&uuid);
+            let unhealthy = |uuid: &str| {
+                matches!(
+                    inputs.health.get(uuid),
+                    Some(plugin::Health::Unhealthy { .. })
+                )
+            };
+            for m in &g.mig_devices {
+                let mig_uuid = m.uuid.to_string();
+                let sample = inputs.samples.get(&mig_uuid);
+                figures.mig_devices.insert(
+                    mig_uuid.clone(),
+                    MigFigures {
+                        gpu: g.device.index,
+                        profile: m.profile.to_string(),
+                        // A fault of the parent GPU takes its MIG devices down too.
+                        healthy: !unhealthy(&mig_uuid) && !unhealthy(&uuid) && g.health.is_ok(),
+                        memory_used_mib: sample.and_then(|s| s.memory_used_mib),
+                        idle: sample.and_then(|s| match s.activity {
+                            Activity::Idle => Some(true),
+                            Activity::Busy => Some(false),
+                            Activity::Unknown => None,
+                        }),
+                    },
+                );
+            }
             figures.gpus.insert(
                 g.device.index,
                 GpuFigures {
+                    uuid: uuid.clone(),
+                    model: g.device.name.clone(),
                     utilization_percent: s.and_then(|s| s.utilization_percent),
                     memory_used_mib: s.and_then(|s| s.memory_used_mib),
                     healthy: !matches!(
@@ -70,6 +109,7 @@ mod tests {
         let inv = Ok(crate::agent::testing::inventory());
         let Ok(i) = &inv else { unreachable!() };
         let a30 = i.gpus[0].device.uuid.to_string();
+        let a30_uuid = a30.clone();
         let l4 = i.gpus[1].device.uuid.to_string();
         let health = [(
             l4.clone(),
@@ -100,7 +140,13 @@ mod tests {
             cdi_writes: 1,
             cdi_spec_ready: Some(false),
             foreign_device_plugins: Some(1),
+            last_sample: None,
+            last_status_write: None,
+            node: "node-a",
         });
+        assert_eq!(f.node, "node-a");
+        assert_eq!(f.gpus[&0].uuid, a30_uuid);
+        assert!(!f.gpus[&1].model.is_empty());
         assert!(f.gpus[&0].healthy);
         assert!(!f.gpus[&1].healthy);
         assert_eq!(f.gpus[&0].utilization_percent, Some(42));
