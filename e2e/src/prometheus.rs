@@ -218,6 +218,27 @@ impl Prometheus {
             .collect()
     }
 
+    /// The raw samples of the one series `selector` matches over the last `window` (e.g.
+    /// `30s`): `(scrape time, value)`, as scraped, nothing interpolated.
+    pub fn raw_samples(&self, selector: &str, window: &str) -> Result<Vec<(f64, f64)>> {
+        let data = self.api(
+            "/api/v1/query",
+            &[("query", &format!("{selector}[{window}]"))],
+        )?;
+        let result = data["result"].as_array().cloned().unwrap_or_default();
+        if result.len() != 1 {
+            bail!("{selector}: {} series, expected one", result.len());
+        }
+        Ok(result[0]["values"]
+            .as_array()
+            .map(|vs| {
+                vs.iter()
+                    .filter_map(|v| Some((v[0].as_f64()?, v[1].as_str()?.parse::<f64>().ok()?)))
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
     /// A range query: per series, its labels and `(time, value)` points.
     #[allow(clippy::type_complexity)]
     pub fn query_range(
