@@ -396,6 +396,18 @@ async fn prometheus_scrapes_fires_alerts_and_counts_idle_gpu_time() -> Result<()
     )
     .await?;
 
+    // A few evaluations with the agent down, so the picture shows it.
+    poll("5 s of GpupoolAgentDown firing", REACT, POLL, || async {
+        let firing = prom
+            .raw_samples(
+                "ALERTS{alertname=\"GpupoolAgentDown\",alertstate=\"firing\"}",
+                "1m",
+            )
+            .unwrap_or_default();
+        Ok((firing.len() >= 5).then_some(()))
+    })
+    .await?;
+
     // Every dashboard panel has a query that returns data.
     let dashboard: serde_json::Value =
         serde_json::from_str(&fs::read_to_string(dashboard_file())?)?;
@@ -452,9 +464,16 @@ async fn prometheus_scrapes_fires_alerts_and_counts_idle_gpu_time() -> Result<()
     health.extend(range("sum(up{job=\"gpupool-agent\"})", &|_| {
         "agents up".into()
     })?);
-    let alerts = range(
+    let fired: Vec<String> = range(
         "count by (alertname) (ALERTS{alertstate=\"firing\",alertname=~\"Gpupool.*\"})",
         &|l| l.get("alertname").cloned().unwrap_or_default(),
+    )?
+    .into_iter()
+    .map(|s| s.name)
+    .collect();
+    let alerts = range(
+        "count(ALERTS{alertstate=\"firing\",alertname=~\"Gpupool.*\"})",
+        &|_| "firing gpupool alerts".into(),
     )?;
     let picture = svg(
         "gpupool in a real Prometheus (e2e/tests/observability.rs)",
@@ -470,7 +489,7 @@ async fn prometheus_scrapes_fires_alerts_and_counts_idle_gpu_time() -> Result<()
                 series: health,
             },
             Chart {
-                title: "firing alerts".into(),
+                title: format!("firing alerts: {}", fired.join(", ")),
                 unit: "alerts".into(),
                 series: alerts,
             },
