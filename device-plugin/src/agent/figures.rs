@@ -158,3 +158,86 @@ mod tests {
         assert_eq!(f.xids[&(1, 79)], 1);
     }
 }
+
+#[cfg(test)]
+mod mig_tests {
+    use super::*;
+    use crate::backend::{ComputeInstanceId, GpuInstanceId, MigDevice};
+
+    /// MIG devices get their own series: the parent's index, the profile, their own health and
+    /// sample, and a fault of the parent GPU takes them down too.
+    #[test]
+    fn mig_devices_carry_parent_profile_health_and_idleness() {
+        let mut inv = crate::agent::testing::inventory();
+        let parent = inv.gpus[0].device.uuid.clone();
+        let mig = |n: u32| MigDevice {
+            uuid: format!("MIG-11111111-2222-3333-4444-55555555555{n}")
+                .parse()
+                .unwrap(),
+            gpu: 0,
+            parent: parent.clone(),
+            gpu_instance: GpuInstanceId(n),
+            compute_instance: ComputeInstanceId(0),
+            profile: "1g.6gb".parse().unwrap(),
+            memory_mib: 5952,
+        };
+        inv.gpus[0].mig_devices = vec![mig(1), mig(2)];
+        let (a, b) = (
+            inv.gpus[0].mig_devices[0].uuid.to_string(),
+            inv.gpus[0].mig_devices[1].uuid.to_string(),
+        );
+        let samples = [(
+            a.clone(),
+            DeviceSample {
+                activity: Activity::Idle,
+                memory_used_mib: Some(7),
+                ..DeviceSample::default()
+            },
+        )]
+        .into_iter()
+        .collect();
+        let health = [(
+            b.clone(),
+            plugin::Health::Unhealthy {
+                reason: "Xid 48".into(),
+            },
+        )]
+        .into_iter()
+        .collect();
+        let no_xids = BTreeMap::new();
+        let inputs = |health, inv| FigureInputs {
+            node: "n",
+            inventory: Some(inv),
+            health,
+            samples: &samples,
+            xids: &no_xids,
+            validated: true,
+            status_writes: 0,
+            cdi_writes: 0,
+            cdi_spec_ready: None,
+            foreign_device_plugins: None,
+            last_sample: None,
+            last_status_write: None,
+        };
+        let inv = Ok(inv);
+        let f = figures(inputs(&health, &inv));
+        assert_eq!(f.mig_devices.len(), 2);
+        let m = &f.mig_devices[&a];
+        assert_eq!((m.gpu, m.profile.as_str(), m.healthy), (0, "1g.6gb", true));
+        assert_eq!((m.idle, m.memory_used_mib), (Some(true), Some(7)));
+        assert!(!f.mig_devices[&b].healthy);
+        assert_eq!(f.mig_devices[&b].idle, None);
+
+        // The parent GPU faulted: every MIG device on it is down.
+        let parent_down = [(
+            parent.to_string(),
+            plugin::Health::Unhealthy {
+                reason: "Xid 79".into(),
+            },
+        )]
+        .into_iter()
+        .collect();
+        let f = figures(inputs(&parent_down, &inv));
+        assert!(f.mig_devices.values().all(|m| !m.healthy));
+    }
+}
