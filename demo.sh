@@ -5,6 +5,8 @@
 #                      nodes, install the chart with helm, run the operator and one node agent
 #                      per node as local processes, apply three GpuPools, and show
 #                      `kubectl get gpupools` / `kubectl get gpunodes` once they settle
+#                      (and, when Debian's `prometheus` is installed, a Prometheus scraping them
+#                      with the chart's alerting rules; it prints its URL and the alerts firing)
 #   ./demo.sh down     stop the local processes and the control plane
 #
 # The nodes (created by e2e/cluster, simulated by kwok):
@@ -186,6 +188,7 @@ echo "operator: log $DEMO/logs/operator.log, metrics http://127.0.0.1:$OPERATOR_
 
 step "starting one node agent per node (simulated GPUs), each with a token bound to its DaemonSet pod"
 port=$(free_port 28090)
+AGENT_TARGETS=()
 for row in "${NODE_GPUS[@]}"; do
     read -r node model gpus ver cuda <<<"$row"
     host=$HOSTS/$node
@@ -213,6 +216,7 @@ EOF
         --kmsg-path "$host/kmsg" \
         --metrics-addr "127.0.0.1:$port" --validate-interval-secs 10
     echo "agent on $node: $gpus x $model, driver $ver; log $DEMO/logs/agent-$node.log, metrics http://127.0.0.1:$port/metrics"
+    AGENT_TARGETS+=("'127.0.0.1:$port'")
     port=$((port + 1))
 done
 
@@ -294,6 +298,52 @@ while :; do
     sleep 1
 done
 
+# Prometheus (Debian's `prometheus` package), when installed: scrapes the operator and the agents
+# under the job names the chart's ServiceMonitors use, with the chart's alerting rules, each
+# `for:` shortened to 15s so the alerts show within the demo (the chart keeps the real ones).
+PROM_URL=""
+if command -v prometheus >/dev/null; then
+    step "starting Prometheus on a loopback port, scraping the operator and the agents"
+    mkdir -p "$DEMO/prometheus"
+    sed -E 's/^([[:space:]]*)for: .*/\1for: 15s/' charts/gpupool/files/prometheus-rules.yaml \
+        >"$DEMO/prometheus/rules.yaml"
+    targets=$(IFS=,; echo "${AGENT_TARGETS[*]}")
+    cat >"$DEMO/prometheus/prometheus.yml" <<CONFIG
+global: {scrape_interval: 5s, evaluation_interval: 5s}
+rule_files: [rules.yaml]
+scrape_configs:
+  - job_name: gpupool-operator
+    honor_labels: true
+    static_configs: [{targets: ['127.0.0.1:$OPERATOR_PORT']}]
+  - job_name: gpupool-agent
+    honor_labels: true
+    static_configs: [{targets: [$targets]}]
+CONFIG
+    PROM_PORT=$(free_port 29090)
+    start prometheus "" prometheus --config.file="$DEMO/prometheus/prometheus.yml" \
+        --storage.tsdb.path="$DEMO/prometheus/data" --web.listen-address="127.0.0.1:$PROM_PORT"
+    PROM_URL=http://127.0.0.1:$PROM_PORT
+    # The old-driver node's alert: pending for its 15s, then firing.
+    query='ALERTS{alertstate="firing",alertname="GpupoolDriverCheckFailed",node="gpu-node-1"}'
+    for _ in $(seq 1 90); do
+        curl -sf --get "$PROM_URL/api/v1/query" --data-urlencode "query=$query" 2>/dev/null |
+            grep -q '"alertname"' && break
+        sleep 1
+    done
+    echo "Prometheus: $PROM_URL (alerts: $PROM_URL/alerts; log $DEMO/logs/prometheus.log)"
+    echo "gpupool alerts firing now (alert{where}):"
+    curl -sf --get "$PROM_URL/api/v1/query" \
+        --data-urlencode 'query=ALERTS{alertstate="firing",alertname=~"Gpupool.*"}' |
+        grep -o '"metric":{[^}]*}' | while read -r alert; do
+        name=$(grep -o '"alertname":"[^"]*"' <<<"$alert" | cut -d'"' -f4)
+        where=$(grep -oE '"(node|pool)":"[^"]*"' <<<"$alert" | tr -d '"' | sed 's/:/="/; s/$/"/' | paste -sd, -)
+        echo "  $name{$where}"
+    done
+else
+    echo
+    echo "prometheus is not installed (apt-get install prometheus): no Prometheus in this demo"
+fi
+
 step "kubectl get gpupools"
 kubectl get gpupools
 step "kubectl get gpunodes"
@@ -311,6 +361,7 @@ agents (local processes, logs in target/demo/logs/). To explore:
   kubectl get node gpu-node-1 -o jsonpath='{.spec.taints}'   # the driver-invalid taint
   cat $HOSTS/gpu-node-0/cdi/gpupool-nvidia.yaml   # the CDI spec the agent wrote
   curl -s http://127.0.0.1:$OPERATOR_PORT/metrics | grep gpupool_
+  curl -s ${PROM_URL:-http://127.0.0.1:<prometheus>}/api/v1/alerts   # the alerts Prometheus holds
   kubectl apply -f crds/tests/invalid/10-mig-too-many-slices.yaml   # admission rejects it
 Tear down (local processes and the control plane):
   ./demo.sh down

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Instant;
 
 use gpupool_telemetry::HttpState;
 use prometheus_client::collector::Collector;
@@ -29,6 +30,10 @@ use crate::plugin::PluginMetrics;
 /// Per-GPU figures for `/metrics`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct GpuFigures {
+    /// `GPU-…` UUID.
+    pub uuid: String,
+    /// Product name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub model: String,
     /// SM utilization, percent.
     pub utilization_percent: Option<u32>,
     /// Memory used by compute processes, MiB.
@@ -39,11 +44,36 @@ pub struct GpuFigures {
     pub temperature_c: Option<u32>,
 }
 
+/// Per-MIG-device figures for `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MigFigures {
+    /// Parent GPU index.
+    pub gpu: u32,
+    /// Profile, e.g. `1g.10gb`.
+    pub profile: String,
+    /// 1 healthy, 0 not.
+    pub healthy: bool,
+    /// Memory used by compute processes on this device, MiB.
+    pub memory_used_mib: Option<u64>,
+    /// Idle by the last sample (`Some(false)`: busy; `None`: unknown).
+    pub idle: Option<bool>,
+}
+
 /// What `/metrics` shows; the agent loop replaces it after each reconcile.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Figures {
+    /// The node the agent runs on: the `node` label of every figure series, so alerts and
+    /// dashboards name the node whatever the scrape's own target labels are.
+    pub node: String,
     /// By GPU index.
     pub gpus: BTreeMap<u32, GpuFigures>,
+    /// By `MIG-…` UUID.
+    pub mig_devices: BTreeMap<String, MigFigures>,
+    /// When a utilization sample last returned figures; `None` before the first.
+    pub last_sample: Option<Instant>,
+    /// When the GpuNode status was last written (a change or a heartbeat); `None` before the
+    /// first write.
+    pub last_status_write: Option<Instant>,
     /// Xid events seen, by (GPU index, Xid).
     pub xids: BTreeMap<(u32, u64), u64>,
     /// 1 when every driver check passed.
@@ -178,17 +208,40 @@ pub async fn serve(
     gpupool_telemetry::serve(addr, Arc::new(metrics.http_state()), cancel).await
 }
 
-/// The `gpu` label of per-GPU series.
+/// The labels of per-GPU series: one series per physical GPU, so their number is bounded by
+/// the node's GPUs.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct GpuLabels {
+    node: String,
     gpu: u32,
+    uuid: String,
+    model: String,
 }
 
-/// The labels of the Xid counter.
+/// The labels of per-MIG-device series (at most 7 per GPU).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MigLabels {
+    node: String,
+    gpu: u32,
+    uuid: String,
+    profile: String,
+}
+
+/// The labels of the Xid counter; `fatal` is the agent's own verdict (`xid::is_fatal`), so
+/// an alert need not repeat the list.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct XidLabels {
+    node: String,
     gpu: u32,
+    uuid: String,
     xid: u64,
+    fatal: bool,
+}
+
+/// The label of node-level agent series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NodeLabels {
+    node: String,
 }
 
 /// Encodes the latest [`Figures`] on each scrape.
@@ -198,17 +251,77 @@ struct FiguresCollector(Arc<AgentMetrics>);
 /// One gauge family with a sample per GPU that has a value.
 fn per_gpu<V: EncodeGaugeValue>(
     encoder: &mut DescriptorEncoder,
+    f: &Figures,
     name: &str,
     help: &str,
-    samples: impl Iterator<Item = (u32, Option<V>)>,
+    value: impl Fn(&GpuFigures) -> Option<V>,
 ) -> Result<(), std::fmt::Error> {
     let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-    for (gpu, value) in samples {
-        if let Some(value) = value {
-            ConstGauge::new(value).encode(family.encode_family(&GpuLabels { gpu })?)?;
+    for (&gpu, g) in &f.gpus {
+        if let Some(value) = value(g) {
+            let labels = GpuLabels {
+                node: f.node.clone(),
+                gpu,
+                uuid: g.uuid.clone(),
+                model: g.model.clone(),
+            };
+            ConstGauge::new(value).encode(family.encode_family(&labels)?)?;
         }
     }
     Ok(())
+}
+
+/// One gauge family with a sample per MIG device that has a value.
+fn per_mig<V: EncodeGaugeValue>(
+    encoder: &mut DescriptorEncoder,
+    f: &Figures,
+    name: &str,
+    help: &str,
+    value: impl Fn(&MigFigures) -> Option<V>,
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (uuid, m) in &f.mig_devices {
+        if let Some(value) = value(m) {
+            let labels = MigLabels {
+                node: f.node.clone(),
+                gpu: m.gpu,
+                uuid: uuid.clone(),
+                profile: m.profile.clone(),
+            };
+            ConstGauge::new(value).encode(family.encode_family(&labels)?)?;
+        }
+    }
+    Ok(())
+}
+
+/// One node-level gauge.
+fn node_gauge<V: EncodeGaugeValue>(
+    encoder: &mut DescriptorEncoder,
+    node: &str,
+    name: &str,
+    help: &str,
+    value: V,
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    let labels = NodeLabels {
+        node: node.to_owned(),
+    };
+    ConstGauge::new(value).encode(family.encode_family(&labels)?)
+}
+
+/// One node-level counter.
+fn node_counter(
+    encoder: &mut DescriptorEncoder,
+    node: &str,
+    name: &str,
+    help: &str,
+    value: u64,
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    let labels = NodeLabels {
+        node: node.to_owned(),
+    };
+    ConstCounter::new(value).encode(family.encode_family(&labels)?)
 }
 
 // Names and help texts are the ones the agent has always exposed. Counters are described
@@ -224,31 +337,55 @@ impl Collector for FiguresCollector {
             Ok(f) => f,
             Err(poisoned) => poisoned.into_inner(),
         };
+        let node = f.node.as_str();
         per_gpu(
             &mut encoder,
+            &f,
             "gpupool_gpu_utilization_percent",
             "SM utilization of a whole GPU.",
-            f.gpus.iter().map(|(i, g)| (*i, g.utilization_percent)),
+            |g| g.utilization_percent,
         )?;
         per_gpu(
             &mut encoder,
+            &f,
             "gpupool_gpu_memory_used_bytes",
             "GPU memory used by compute processes.",
-            f.gpus
-                .iter()
-                .map(|(i, g)| (*i, g.memory_used_mib.map(|v| v.saturating_mul(1024 * 1024)))),
+            |g| g.memory_used_mib.map(|v| v.saturating_mul(1024 * 1024)),
         )?;
         per_gpu(
             &mut encoder,
+            &f,
             "gpupool_gpu_healthy",
             "1 when the GPU has no health fault.",
-            f.gpus.iter().map(|(i, g)| (*i, Some(u32::from(g.healthy)))),
+            |g| Some(u32::from(g.healthy)),
         )?;
         per_gpu(
             &mut encoder,
+            &f,
             "gpupool_gpu_temperature_celsius",
             "GPU temperature.",
-            f.gpus.iter().map(|(i, g)| (*i, g.temperature_c)),
+            |g| g.temperature_c,
+        )?;
+        per_mig(
+            &mut encoder,
+            &f,
+            "gpupool_mig_device_healthy",
+            "1 when the MIG device has no health fault.",
+            |m| Some(u32::from(m.healthy)),
+        )?;
+        per_mig(
+            &mut encoder,
+            &f,
+            "gpupool_mig_device_memory_used_bytes",
+            "MIG device memory used by compute processes.",
+            |m| m.memory_used_mib.map(|v| v.saturating_mul(1024 * 1024)),
+        )?;
+        per_mig(
+            &mut encoder,
+            &f,
+            "gpupool_mig_device_idle",
+            "1 when the last sample found the MIG device idle, 0 busy; absent when unknown.",
+            |m| m.idle.map(u32::from),
         )?;
 
         let mut xids = encoder.encode_descriptor(
@@ -258,42 +395,73 @@ impl Collector for FiguresCollector {
             MetricType::Counter,
         )?;
         for (&(gpu, xid), &n) in &f.xids {
-            ConstCounter::new(n).encode(xids.encode_family(&XidLabels { gpu, xid })?)?;
+            let labels = XidLabels {
+                node: node.to_owned(),
+                gpu,
+                uuid: f.gpus.get(&gpu).map(|g| g.uuid.clone()).unwrap_or_default(),
+                xid,
+                fatal: crate::xid::is_fatal(xid),
+            };
+            ConstCounter::new(n).encode(xids.encode_family(&labels)?)?;
         }
 
-        ConstGauge::new(u32::from(f.validated)).encode(encoder.encode_descriptor(
+        node_gauge(
+            &mut encoder,
+            node,
             "gpupool_driver_validated",
             "1 when every driver check passed.",
-            None,
-            MetricType::Gauge,
-        )?)?;
-        ConstCounter::new(f.status_writes).encode(encoder.encode_descriptor(
+            u32::from(f.validated),
+        )?;
+        node_counter(
+            &mut encoder,
+            node,
             "gpupool_status_writes",
             "GpuNode status writes.",
-            None,
-            MetricType::Counter,
-        )?)?;
-        ConstCounter::new(f.cdi_writes).encode(encoder.encode_descriptor(
+            f.status_writes,
+        )?;
+        node_counter(
+            &mut encoder,
+            node,
             "gpupool_cdi_spec_writes",
             "CDI spec file writes.",
-            None,
-            MetricType::Counter,
-        )?)?;
+            f.cdi_writes,
+        )?;
         if let Some(ready) = f.cdi_spec_ready {
-            ConstGauge::new(u32::from(ready)).encode(encoder.encode_descriptor(
+            node_gauge(
+                &mut encoder,
+                node,
                 "gpupool_cdi_spec_ready",
                 "1 when the CDI spec the runtime reads is as the agent wrote it and no other spec claims its devices.",
-                None,
-                MetricType::Gauge,
-            )?)?;
+                u32::from(ready),
+            )?;
         }
         if let Some(n) = f.foreign_device_plugins {
-            ConstGauge::new(n).encode(encoder.encode_descriptor(
+            node_gauge(
+                &mut encoder,
+                node,
                 "gpupool_foreign_device_plugins",
                 "Sockets of other device plugins live on the node for NVIDIA resources (0 when gpupool is the only one).",
-                None,
-                MetricType::Gauge,
-            )?)?;
+                n,
+            )?;
+        }
+        // Ages are taken at scrape time, so they keep growing while the loop is stuck.
+        if let Some(at) = f.last_sample {
+            node_gauge(
+                &mut encoder,
+                node,
+                "gpupool_agent_last_sample_age_seconds",
+                "Seconds since a utilization sample last returned figures.",
+                at.elapsed().as_secs_f64(),
+            )?;
+        }
+        if let Some(at) = f.last_status_write {
+            node_gauge(
+                &mut encoder,
+                node,
+                "gpupool_agent_last_status_write_age_seconds",
+                "Seconds since the agent last wrote its GpuNode status (a change or a heartbeat).",
+                at.elapsed().as_secs_f64(),
+            )?;
         }
         Ok(())
     }
@@ -307,10 +475,15 @@ mod tests {
     use super::*;
 
     fn sample() -> Figures {
-        let mut f = Figures::default();
+        let mut f = Figures {
+            node: "gpu-node-0".into(),
+            ..Figures::default()
+        };
         f.gpus.insert(
             0,
             GpuFigures {
+                uuid: "GPU-0".into(),
+                model: "NVIDIA H100 80GB HBM3".into(),
                 utilization_percent: Some(42),
                 memory_used_mib: Some(1),
                 healthy: true,
@@ -366,14 +539,15 @@ mod tests {
         let answer = |line: &'static str| async move { request(addr, line).await.unwrap() };
         let body = answer("GET /metrics HTTP/1.1").await;
         assert!(body.starts_with("HTTP/1.1 200"));
+        let gpu = r#"node="gpu-node-0",gpu="0",uuid="GPU-0",model="NVIDIA H100 80GB HBM3""#;
         for line in [
-            "gpupool_gpu_utilization_percent{gpu=\"0\"} 42",
-            "gpupool_gpu_memory_used_bytes{gpu=\"0\"} 1048576",
-            "gpupool_gpu_healthy{gpu=\"0\"} 1",
-            "gpupool_gpu_temperature_celsius{gpu=\"0\"} 38",
-            "gpupool_gpu_xid_errors_total{gpu=\"0\",xid=\"79\"} 2",
+            format!("gpupool_gpu_utilization_percent{{{gpu}}} 42"),
+            format!("gpupool_gpu_memory_used_bytes{{{gpu}}} 1048576"),
+            format!("gpupool_gpu_healthy{{{gpu}}} 1"),
+            format!("gpupool_gpu_temperature_celsius{{{gpu}}} 38"),
+            r#"gpupool_gpu_xid_errors_total{node="gpu-node-0",gpu="0",uuid="GPU-0",xid="79",fatal="true"} 2"#.into(),
         ] {
-            assert!(body.contains(line), "{line} missing in {body}");
+            assert!(body.contains(line.as_str()), "{line} missing in {body}");
         }
         assert!(
             body.to_ascii_lowercase().contains(&format!(
@@ -420,6 +594,8 @@ mod tests {
         f.gpus.insert(
             1,
             GpuFigures {
+                uuid: "GPU-1".into(),
+                model: "NVIDIA A100-SXM4-80GB".into(),
                 utilization_percent: Some(0),
                 memory_used_mib: Some(40_960),
                 healthy: false,
@@ -427,6 +603,27 @@ mod tests {
             },
         );
         f.xids.insert((1, 48), 1);
+        f.xids.insert((1, 13), 4);
+        f.mig_devices.insert(
+            "MIG-a".into(),
+            MigFigures {
+                gpu: 1,
+                profile: "1g.10gb".into(),
+                healthy: true,
+                memory_used_mib: Some(2),
+                idle: Some(true),
+            },
+        );
+        f.mig_devices.insert(
+            "MIG-b".into(),
+            MigFigures {
+                gpu: 1,
+                profile: "3g.40gb".into(),
+                healthy: false,
+                memory_used_mib: None,
+                idle: None,
+            },
+        );
         f.validated = true;
         f.status_writes = 3;
         f.cdi_writes = 1;
@@ -463,42 +660,80 @@ gpupool_plugin_health_unhealthy_transitions_total 1
 gpupool_plugin_health_healthy_transitions_total 0
 # HELP gpupool_gpu_utilization_percent SM utilization of a whole GPU.
 # TYPE gpupool_gpu_utilization_percent gauge
-gpupool_gpu_utilization_percent{gpu=\"0\"} 42
-gpupool_gpu_utilization_percent{gpu=\"1\"} 0
+gpupool_gpu_utilization_percent{node=\"gpu-node-0\",gpu=\"0\",uuid=\"GPU-0\",model=\"NVIDIA H100 80GB HBM3\"} 42
+gpupool_gpu_utilization_percent{node=\"gpu-node-0\",gpu=\"1\",uuid=\"GPU-1\",model=\"NVIDIA A100-SXM4-80GB\"} 0
 # HELP gpupool_gpu_memory_used_bytes GPU memory used by compute processes.
 # TYPE gpupool_gpu_memory_used_bytes gauge
-gpupool_gpu_memory_used_bytes{gpu=\"0\"} 1048576
-gpupool_gpu_memory_used_bytes{gpu=\"1\"} 42949672960
+gpupool_gpu_memory_used_bytes{node=\"gpu-node-0\",gpu=\"0\",uuid=\"GPU-0\",model=\"NVIDIA H100 80GB HBM3\"} 1048576
+gpupool_gpu_memory_used_bytes{node=\"gpu-node-0\",gpu=\"1\",uuid=\"GPU-1\",model=\"NVIDIA A100-SXM4-80GB\"} 42949672960
 # HELP gpupool_gpu_healthy 1 when the GPU has no health fault.
 # TYPE gpupool_gpu_healthy gauge
-gpupool_gpu_healthy{gpu=\"0\"} 1
-gpupool_gpu_healthy{gpu=\"1\"} 0
+gpupool_gpu_healthy{node=\"gpu-node-0\",gpu=\"0\",uuid=\"GPU-0\",model=\"NVIDIA H100 80GB HBM3\"} 1
+gpupool_gpu_healthy{node=\"gpu-node-0\",gpu=\"1\",uuid=\"GPU-1\",model=\"NVIDIA A100-SXM4-80GB\"} 0
 # HELP gpupool_gpu_temperature_celsius GPU temperature.
 # TYPE gpupool_gpu_temperature_celsius gauge
-gpupool_gpu_temperature_celsius{gpu=\"0\"} 38
-gpupool_gpu_temperature_celsius{gpu=\"1\"} 71
+gpupool_gpu_temperature_celsius{node=\"gpu-node-0\",gpu=\"0\",uuid=\"GPU-0\",model=\"NVIDIA H100 80GB HBM3\"} 38
+gpupool_gpu_temperature_celsius{node=\"gpu-node-0\",gpu=\"1\",uuid=\"GPU-1\",model=\"NVIDIA A100-SXM4-80GB\"} 71
+# HELP gpupool_mig_device_healthy 1 when the MIG device has no health fault.
+# TYPE gpupool_mig_device_healthy gauge
+gpupool_mig_device_healthy{node=\"gpu-node-0\",gpu=\"1\",uuid=\"MIG-a\",profile=\"1g.10gb\"} 1
+gpupool_mig_device_healthy{node=\"gpu-node-0\",gpu=\"1\",uuid=\"MIG-b\",profile=\"3g.40gb\"} 0
+# HELP gpupool_mig_device_memory_used_bytes MIG device memory used by compute processes.
+# TYPE gpupool_mig_device_memory_used_bytes gauge
+gpupool_mig_device_memory_used_bytes{node=\"gpu-node-0\",gpu=\"1\",uuid=\"MIG-a\",profile=\"1g.10gb\"} 2097152
+# HELP gpupool_mig_device_idle 1 when the last sample found the MIG device idle, 0 busy; absent when unknown.
+# TYPE gpupool_mig_device_idle gauge
+gpupool_mig_device_idle{node=\"gpu-node-0\",gpu=\"1\",uuid=\"MIG-a\",profile=\"1g.10gb\"} 1
 # HELP gpupool_gpu_xid_errors Xid events seen since the agent started.
 # TYPE gpupool_gpu_xid_errors counter
-gpupool_gpu_xid_errors_total{gpu=\"0\",xid=\"79\"} 2
-gpupool_gpu_xid_errors_total{gpu=\"1\",xid=\"48\"} 1
+gpupool_gpu_xid_errors_total{node=\"gpu-node-0\",gpu=\"0\",uuid=\"GPU-0\",xid=\"79\",fatal=\"true\"} 2
+gpupool_gpu_xid_errors_total{node=\"gpu-node-0\",gpu=\"1\",uuid=\"GPU-1\",xid=\"13\",fatal=\"false\"} 4
+gpupool_gpu_xid_errors_total{node=\"gpu-node-0\",gpu=\"1\",uuid=\"GPU-1\",xid=\"48\",fatal=\"true\"} 1
 # HELP gpupool_driver_validated 1 when every driver check passed.
 # TYPE gpupool_driver_validated gauge
-gpupool_driver_validated 1
+gpupool_driver_validated{node=\"gpu-node-0\"} 1
 # HELP gpupool_status_writes GpuNode status writes.
 # TYPE gpupool_status_writes counter
-gpupool_status_writes_total 3
+gpupool_status_writes_total{node=\"gpu-node-0\"} 3
 # HELP gpupool_cdi_spec_writes CDI spec file writes.
 # TYPE gpupool_cdi_spec_writes counter
-gpupool_cdi_spec_writes_total 1
+gpupool_cdi_spec_writes_total{node=\"gpu-node-0\"} 1
 # HELP gpupool_cdi_spec_ready 1 when the CDI spec the runtime reads is as the agent wrote it and no other spec claims its devices.
 # TYPE gpupool_cdi_spec_ready gauge
-gpupool_cdi_spec_ready 1
+gpupool_cdi_spec_ready{node=\"gpu-node-0\"} 1
 # HELP gpupool_foreign_device_plugins Sockets of other device plugins live on the node for NVIDIA resources (0 when gpupool is the only one).
 # TYPE gpupool_foreign_device_plugins gauge
-gpupool_foreign_device_plugins 1
+gpupool_foreign_device_plugins{node=\"gpu-node-0\"} 1
 # EOF
 ";
         assert_eq!(text, expected);
+    }
+
+    /// The ages grow at scrape time: a stuck loop that sets no new figures still shows them
+    /// growing.
+    #[test]
+    fn ages_are_taken_at_scrape_time() {
+        let m = Arc::new(AgentMetrics::default());
+        let long_ago = Instant::now()
+            .checked_sub(std::time::Duration::from_secs(600))
+            .unwrap();
+        m.set(Figures {
+            node: "n".into(),
+            last_sample: Some(long_ago),
+            last_status_write: Some(Instant::now()),
+            ..Figures::default()
+        });
+        let text = gpupool_telemetry::encode(&m.registry()).unwrap();
+        let age = |name: &str| -> f64 {
+            let prefix = format!("{name}{{node=\"n\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(prefix.as_str()))
+                .unwrap_or_else(|| panic!("no {name} in {text}"))
+                .parse()
+                .unwrap()
+        };
+        assert!(age("gpupool_agent_last_sample_age_seconds") >= 600.0);
+        assert!(age("gpupool_agent_last_status_write_age_seconds") < 600.0);
     }
 
     /// A value the agent does not have is absent, not zero; `gpupool_gpu_healthy` is always
@@ -520,12 +755,20 @@ gpupool_foreign_device_plugins 1
             .lines()
             .filter(|l| l.starts_with("gpupool_gpu_"))
             .collect();
-        assert_eq!(samples, ["gpupool_gpu_healthy{gpu=\"3\"} 1"]);
+        assert_eq!(
+            samples,
+            ["gpupool_gpu_healthy{node=\"\",gpu=\"3\",uuid=\"\",model=\"\"} 1"]
+        );
 
         // The figures are replaced whole: a GPU gone from the inventory leaves no series.
         m.set(Figures::default());
         let text = gpupool_telemetry::encode(&m.registry()).unwrap();
         assert!(!text.contains("gpu=\""), "{text}");
-        assert!(text.contains("gpupool_driver_validated 0\n"), "{text}");
+        assert!(
+            text.contains("gpupool_driver_validated{node=\"\"} 0\n"),
+            "{text}"
+        );
+        // No sample and no write yet: no age.
+        assert!(!text.contains("_age_seconds"), "{text}");
     }
 }

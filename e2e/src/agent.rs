@@ -13,6 +13,7 @@ use gpupool_crds::node::GpuNodeStatus;
 use k8s_openapi::api::core::v1::Event;
 use kube::api::ListParams;
 use kube::{Api, Client};
+use serde_json::{Value, json};
 
 use crate::artifacts;
 use crate::wait::poll;
@@ -85,4 +86,40 @@ pub async fn wait_event(client: &Client, name: &str, reason: &str) -> Result<Eve
         || async move { Ok(events_for(client, name, reason).await?.into_iter().next()) },
     )
     .await
+}
+
+/// Read-modify-write of the fake NVML's state file under its lock, as the library does.
+pub fn update_nvml_state(
+    state: &Path,
+    change: impl FnOnce(&mut Value) -> Result<()>,
+) -> Result<()> {
+    let mut lock_path = state.as_os_str().to_owned();
+    lock_path.push(".lock");
+    let lock = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)?;
+    lock.lock()?;
+    let mut value: Value = serde_json::from_str(&fs::read_to_string(state)?)?;
+    change(&mut value)?;
+    let mut tmp = state.as_os_str().to_owned();
+    tmp.push(".e2e.tmp");
+    fs::write(&tmp, serde_json::to_vec_pretty(&value)?)?;
+    fs::rename(&tmp, state)?;
+    drop(lock);
+    Ok(())
+}
+
+/// Injects a fault now (`at: 0` is always in the past of the library's clock).
+pub fn inject_nvml_fault(state: &Path, gpu: u32, fault: Value) -> Result<()> {
+    update_nvml_state(state, |s| {
+        let seq = s["next_seq"].as_u64().unwrap_or(0);
+        s["next_seq"] = json!(seq + 1);
+        let injected = s["injected"]
+            .as_array_mut()
+            .context("state has no injected list")?;
+        injected.push(json!({"seq": seq, "fault": {"at": 0.0, "gpu": gpu, "fault": fault}}));
+        Ok(())
+    })
 }

@@ -37,7 +37,8 @@ pub fn crd_files() -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Applies every CRD in `crds/` (server-side apply, idempotent) and waits
+/// Applies every CRD in `crds/` (server-side apply, idempotent, taking over fields another
+/// manager holds) and waits
 /// until each is Established. Returns the CRD names.
 pub async fn install(cluster: &Cluster) -> Result<Vec<String>> {
     let files = crd_files()?;
@@ -63,9 +64,14 @@ pub async fn install(cluster: &Cluster) -> Result<Vec<String>> {
             );
         }
         let path = file.to_string_lossy();
+        // A chart test in parallel may have installed the same CRDs with helm, which then owns
+        // `.spec.versions` (an atomic list the API server has defaulted): the content is the
+        // same (a test fails when the chart's copy drifts), so take the fields over rather
+        // than fail on the race.
         cluster.kubectl().run([
             "apply",
             "--server-side",
+            "--force-conflicts",
             "--field-manager=gpupool-e2e",
             "-f",
             path.as_ref(),

@@ -474,35 +474,12 @@ impl Agent {
 
     /// Read-modify-write of the fake NVML's state file under its lock, as the library does.
     pub fn update_nvml_state(&self, change: impl FnOnce(&mut Value) -> Result<()>) -> Result<()> {
-        let mut lock_path = self.state.clone().into_os_string();
-        lock_path.push(".lock");
-        let lock = fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)?;
-        lock.lock()?;
-        let mut state: Value = serde_json::from_str(&fs::read_to_string(&self.state)?)?;
-        change(&mut state)?;
-        let mut tmp = self.state.clone().into_os_string();
-        tmp.push(".e2e.tmp");
-        fs::write(&tmp, serde_json::to_vec_pretty(&state)?)?;
-        fs::rename(&tmp, &self.state)?;
-        drop(lock);
-        Ok(())
+        crate::agent::update_nvml_state(&self.state, change)
     }
 
     /// Injects a fault now (`at: 0` is always in the past of the library's clock).
     pub fn inject_fault(&self, gpu: u32, fault: Value) -> Result<()> {
-        self.update_nvml_state(|s| {
-            let seq = s["next_seq"].as_u64().unwrap_or(0);
-            s["next_seq"] = json!(seq + 1);
-            let injected = s["injected"]
-                .as_array_mut()
-                .context("state has no injected list")?;
-            injected.push(json!({"seq": seq, "fault": {"at": 0.0, "gpu": gpu, "fault": fault}}));
-            Ok(())
-        })
+        crate::agent::inject_nvml_fault(&self.state, gpu, fault)
     }
 
     /// A GPU reset: clears every fault injected so far on `gpu`.

@@ -25,6 +25,8 @@ pub mod kubectl;
 pub mod kubelet;
 pub mod manifest;
 pub mod node;
+pub mod plot;
+pub mod prometheus;
 pub mod scope;
 pub mod service_relay;
 pub mod tools;

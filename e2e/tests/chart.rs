@@ -37,11 +37,23 @@ fn chart_path() -> String {
 
 /// `helm template` output for `release` in `namespace` with `--set` values.
 fn template(tools: &Tools, release: &str, namespace: &str, sets: &[&str]) -> Result<String> {
+    template_with(tools, release, namespace, sets, &[])
+}
+
+/// [`template`] with more `helm template` arguments (e.g. `--api-versions`).
+fn template_with(
+    tools: &Tools,
+    release: &str,
+    namespace: &str,
+    sets: &[&str],
+    extra: &[&str],
+) -> Result<String> {
     let chart = chart_path();
     let mut args = vec!["template", release, &chart, "-n", namespace];
     for s in sets {
         args.extend(["--set", s]);
     }
+    args.extend(extra);
     helm(tools, None, &args)
 }
 
@@ -777,5 +789,114 @@ fn dockerfiles_build_in_stages_from_pinned_bases() -> Result<()> {
             "{path}: no ENTRYPOINT"
         );
     }
+    Ok(())
+}
+
+/// The monitoring objects: the PrometheusRule only where the cluster serves the kind (and the
+/// switch is on), its rules exactly the shared rules file; the dashboard ConfigMap labelled for
+/// Grafana's sidecar, its JSON exactly the shared dashboard file; the ServiceMonitors naming
+/// the jobs the rules expect and honouring the series' own labels.
+#[test]
+fn monitoring_objects_come_from_the_shared_files() -> Result<()> {
+    let tools = Tools::ensure()?;
+    let served = ["--api-versions", "monitoring.coreos.com/v1/PrometheusRule"];
+    let find = |text: &str, kind: &str| -> Result<Vec<serde_json::Value>> {
+        Ok(parse_objects(text, std::path::Path::new("helm-template"))?
+            .into_iter()
+            .filter(|m| m.object.types.as_ref().is_some_and(|t| t.kind == kind))
+            .map(|m| {
+                let mut v = m.object.data.clone();
+                v["metadata"] = serde_json::to_value(&m.object.metadata).unwrap_or_default();
+                v
+            })
+            .collect())
+    };
+
+    let text = template_with(&tools, "gpupool", "gpupool-system", &[], &served)?;
+    let rules = find(&text, "PrometheusRule")?;
+    ensure!(rules.len() == 1, "{} PrometheusRules", rules.len());
+    let shipped: serde_json::Value = serde_yaml::from_str(&fs::read_to_string(
+        repo_root().join("charts/gpupool/files/prometheus-rules.yaml"),
+    )?)?;
+    assert_eq!(
+        rules[0]["spec"], shipped,
+        "the PrometheusRule is not the rules file"
+    );
+    assert_eq!(rules[0]["metadata"]["namespace"], "gpupool-system");
+
+    let default = template(&tools, "gpupool", "gpupool-system", &[])?;
+    ensure!(
+        find(&default, "PrometheusRule")?.is_empty(),
+        "a PrometheusRule rendered for a cluster without the kind"
+    );
+    let off = template_with(
+        &tools,
+        "gpupool",
+        "gpupool-system",
+        &[
+            "prometheusRule.enabled=false",
+            "grafanaDashboard.enabled=false",
+        ],
+        &served,
+    )?;
+    ensure!(
+        find(&off, "PrometheusRule")?.is_empty(),
+        "prometheusRule.enabled=false ignored"
+    );
+
+    let dashboards: Vec<serde_json::Value> = find(&default, "ConfigMap")?
+        .into_iter()
+        .filter(|c| c["metadata"]["name"] == "gpupool-dashboard")
+        .collect();
+    ensure!(dashboards.len() == 1, "no dashboard ConfigMap");
+    assert_eq!(
+        dashboards[0]["metadata"]["labels"]["grafana_dashboard"],
+        "1"
+    );
+    let json_text = dashboards[0]["data"]["gpupool.json"]
+        .as_str()
+        .context("no gpupool.json")?;
+    let rendered: serde_json::Value = serde_json::from_str(json_text)?;
+    let file: serde_json::Value = serde_json::from_str(&fs::read_to_string(
+        repo_root().join("charts/gpupool/files/grafana-dashboard.json"),
+    )?)?;
+    assert_eq!(
+        rendered, file,
+        "the dashboard ConfigMap is not the dashboard file"
+    );
+    ensure!(
+        !find(&off, "ConfigMap")?
+            .iter()
+            .any(|c| c["metadata"]["name"] == "gpupool-dashboard"),
+        "grafanaDashboard.enabled=false ignored"
+    );
+
+    let monitored = template(
+        &tools,
+        "gpupool",
+        "gpupool-system",
+        &["serviceMonitor.enabled=true"],
+    )?;
+    let monitors = find(&monitored, "ServiceMonitor")?;
+    ensure!(monitors.len() == 2, "{} ServiceMonitors", monitors.len());
+    let rules_text =
+        fs::read_to_string(repo_root().join("charts/gpupool/files/prometheus-rules.yaml"))?;
+    for m in &monitors {
+        assert_eq!(m["spec"]["jobLabel"], "gpupool.io/metrics-job");
+        assert_eq!(m["spec"]["endpoints"][0]["honorLabels"], true);
+    }
+    let jobs: Vec<String> = find(&monitored, "Service")?
+        .iter()
+        .filter_map(|s| {
+            s["metadata"]["labels"]["gpupool.io/metrics-job"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(jobs.len(), 2, "{jobs:?}");
+    ensure!(
+        jobs.iter().any(|j| j == "gpupool-agent") && rules_text.contains("job=\"gpupool-agent\""),
+        "the agent's job name and the rules disagree: {jobs:?}"
+    );
     Ok(())
 }

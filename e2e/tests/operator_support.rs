@@ -111,9 +111,8 @@ impl Operator {
         let _ = self.child.wait();
     }
 
-    /// Its `/metrics` text: the address comes from its log (it listens on a free port).
-    pub async fn metrics(&self) -> Result<String> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    /// The address it serves `/metrics` on, from its log (it listens on a free port).
+    pub fn metrics_addr(&self) -> Result<String> {
         let text = std::fs::read_to_string(&self.log)
             .with_context(|| format!("reading {}", self.log.display()))?;
         let line = text
@@ -126,11 +125,17 @@ impl Operator {
                     self.log_tail()
                 )
             })?;
-        let addr = line
+        Ok(line
             .split_whitespace()
             .find_map(|w| w.strip_prefix("addr="))
             .with_context(|| format!("no addr= in {line:?}"))?
-            .to_owned();
+            .to_owned())
+    }
+
+    /// Its `/metrics` text.
+    pub async fn metrics(&self) -> Result<String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = self.metrics_addr()?;
         let mut stream = tokio::net::TcpStream::connect(&addr)
             .await
             .with_context(|| format!("connecting to the operator at {addr}"))?;

@@ -38,6 +38,8 @@ pub struct Settings {
     pub pool_selector: Option<String>,
     /// How long an agent may go without a heartbeat before its node's report is stale.
     pub agent_stale_after: Duration,
+    /// How often the leader samples GpuNode status for the GPU-time counters.
+    pub accounting_interval: Duration,
 }
 
 impl Default for Settings {
@@ -49,6 +51,7 @@ impl Default for Settings {
             backoff_max: Duration::from_secs(300),
             pool_selector: None,
             agent_stale_after: Duration::from_secs(180),
+            accounting_interval: Duration::from_secs(15),
         }
     }
 }

@@ -847,6 +847,16 @@ pub async fn run(
             ns_stream.for_each(|_| future::ready(()))
         );
     });
+    // While this replica leads, the pool gauges read its caches and it counts GPU time.
+    metrics.pools.set_caches(Some(crate::pool_metrics::Caches {
+        pools: pool_store.clone(),
+        gpunodes: gn_store.clone(),
+    }));
+    let accounting = tokio::spawn(count_gpu_time(
+        gn_store.clone(),
+        metrics.clone(),
+        ctx.settings.accounting_interval,
+    ));
 
     let shutdown_signal = shutdown.clone();
     controller
@@ -863,5 +873,29 @@ pub async fn run(
         })
         .await;
     side.abort();
+    accounting.abort();
+    metrics.pools.set_caches(None);
     Ok(())
+}
+
+/// Samples the GpuNode cache every `interval` into the GPU-time counters (see
+/// [`crate::accounting`]). The first sample waits for the cache's initial list, so a start
+/// never counts from an empty picture.
+async fn count_gpu_time(
+    gpunodes: reflector::Store<GpuNode>,
+    metrics: Arc<Metrics>,
+    interval: Duration,
+) {
+    if gpunodes.wait_until_ready().await.is_err() {
+        return;
+    }
+    let mut accountant = crate::accounting::Accountant::default();
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let state = gpunodes.state();
+        let accrual = accountant.sample(state.iter().map(|g| g.as_ref()), Timestamp::now());
+        metrics.account(&accrual);
+    }
 }

@@ -38,6 +38,12 @@ mod tests {
         metrics.write("GpuNode", "apply");
         metrics.queue_depth.set(2);
         metrics.leader.set(1);
+        let mut accrual = crate::accounting::Accrual::default();
+        accrual
+            .allocated
+            .insert(("training".into(), "ml".into()), 90.0);
+        accrual.idle.insert(("training".into(), "ml".into()), 30.5);
+        metrics.account(&accrual);
 
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -63,6 +69,8 @@ mod tests {
             "gpupool_api_writes_total{kind=\"GpuNode\",verb=\"apply\"} 1",
             "gpupool_queue_depth 2",
             "gpupool_leader 1",
+            "gpupool_gpu_allocated_seconds_total{pool=\"training\",namespace=\"ml\"} 90.0",
+            "gpupool_gpu_idle_seconds_total{pool=\"training\",namespace=\"ml\"} 30.5",
         ] {
             assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
         }

@@ -6,6 +6,7 @@
 //! the [`context`] the controller builds. [`lifecycle`] is what the chart's install and uninstall
 //! hooks run.
 
+pub mod accounting;
 pub mod context;
 pub mod controller;
 pub mod demand;
@@ -18,6 +19,7 @@ pub mod liveness;
 pub mod membership;
 pub mod metrics;
 pub mod pool;
+pub mod pool_metrics;
 pub mod reclaim;
 pub mod reclaim_run;
 pub mod startup;

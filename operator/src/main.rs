@@ -67,6 +67,12 @@ struct Args {
     #[arg(long, env = "GPUPOOL_AGENT_STALE_SECS", default_value_t = 180,
         value_parser = clap::value_parser!(u64).range(10..))]
     agent_stale_secs: u64,
+    /// Seconds between the samples of GpuNode status that count GPU-seconds allocated and
+    /// idle (`gpupool_gpu_{allocated,idle}_seconds_total`); a change is counted to within one
+    /// interval.
+    #[arg(long, env = "GPUPOOL_ACCOUNTING_INTERVAL", default_value_t = 15,
+        value_parser = clap::value_parser!(u64).range(1..))]
+    accounting_interval: u64,
     /// Seconds to wait for the CRDs to be Established at start.
     #[arg(long, env = "GPUPOOL_CRD_TIMEOUT", default_value_t = 60)]
     crd_timeout: u64,
@@ -198,6 +204,7 @@ async fn main() -> Result<()> {
         resync: Duration::from_secs(args.resync),
         pool_selector: args.pool_selector.clone(),
         agent_stale_after: Duration::from_secs(args.agent_stale_secs),
+        accounting_interval: Duration::from_secs(args.accounting_interval),
         ..Settings::default()
     };
 

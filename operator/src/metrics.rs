@@ -1,6 +1,9 @@
 //! Prometheus metrics (fixed, low-cardinality labels only; the pool name is bounded by the
 //! number of pools).
 
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -44,6 +47,18 @@ pub struct WriteLabels {
     pub verb: &'static str,
 }
 
+/// Labels of the GPU-time counters: bounded by pools × namespaces that hold GPUs.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AccountLabels {
+    /// The pool.
+    pub pool: String,
+    /// The namespace of the pods holding the GPUs.
+    pub namespace: String,
+}
+
+/// A counter of seconds, fractional.
+pub type Seconds = Counter<f64, AtomicU64>;
+
 /// The operator's metrics.
 #[derive(Debug)]
 pub struct Metrics {
@@ -62,6 +77,12 @@ pub struct Metrics {
     pub queue_depth: Gauge,
     /// 1 while this replica leads.
     pub leader: Gauge,
+    /// GPU-seconds allocated to pods (see [`crate::accounting`]).
+    pub gpu_allocated_seconds: Family<AccountLabels, Seconds>,
+    /// GPU-seconds allocated and idle.
+    pub gpu_idle_seconds: Family<AccountLabels, Seconds>,
+    /// Pool gauges, read from the leader's caches at scrape time.
+    pub pools: Arc<crate::pool_metrics::PoolView>,
 }
 
 impl Default for Metrics {
@@ -76,6 +97,9 @@ impl Default for Metrics {
             writes: Family::default(),
             queue_depth: Gauge::default(),
             leader: Gauge::default(),
+            gpu_allocated_seconds: Family::default(),
+            gpu_idle_seconds: Family::default(),
+            pools: Arc::default(),
         }
     }
 }
@@ -118,6 +142,36 @@ impl Metrics {
             "1 while this replica is the leader",
             self.leader.clone(),
         );
+        registry.register(
+            "gpupool_gpu_allocated_seconds",
+            "GPU-seconds allocated to pods, by pool and namespace, counted by the leader while it leads",
+            self.gpu_allocated_seconds.clone(),
+        );
+        registry.register(
+            "gpupool_gpu_idle_seconds",
+            "GPU-seconds allocated to pods while the GPU was idle, by pool and namespace, counted by the leader while it leads",
+            self.gpu_idle_seconds.clone(),
+        );
+        registry.register_collector(Box::new(crate::pool_metrics::PoolCollector(
+            self.pools.clone(),
+        )));
+    }
+
+    /// Adds a sample's GPU time.
+    pub fn account(&self, accrual: &crate::accounting::Accrual) {
+        for (family, by_key) in [
+            (&self.gpu_allocated_seconds, &accrual.allocated),
+            (&self.gpu_idle_seconds, &accrual.idle),
+        ] {
+            for ((pool, namespace), seconds) in by_key {
+                family
+                    .get_or_create(&AccountLabels {
+                        pool: pool.clone(),
+                        namespace: namespace.clone(),
+                    })
+                    .inc_by(*seconds);
+            }
+        }
     }
 
     /// Counts a write.

@@ -114,7 +114,7 @@ pub enum Decision {
     /// Nothing to do and nothing to undo.
     Ignore(&'static str),
     /// Keep things as they are: the data does not allow a decision.
-    Hold(String),
+    Hold(HoldReason),
     /// The pod was warned but is no longer idle (or became exempt): remove the warning.
     Unwarn(&'static str),
     /// Warn the pod: annotate and send a Warning Event.
@@ -135,6 +135,56 @@ pub enum Decision {
     Notified,
     /// Act now.
     Act(ActionKind),
+}
+
+/// Why the reclaimer holds: a fixed set, so it can label a metric.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum HoldReason {
+    /// The pod has no start time.
+    NoStartTime,
+    /// The node's agent lists no GPU held by the pod.
+    NoDevices,
+    /// The node's utilization data is not current.
+    StaleData,
+    /// A GPU is idle but reports no valid `idleSince`.
+    NoIdleSince,
+    /// A GPU's activity is unknown.
+    ActivityUnknown,
+    /// `Suspend` needs a Job owner.
+    NoJobToSuspend,
+    /// `Delete` needs `allowDelete: true`.
+    DeleteNotAllowed,
+}
+
+impl HoldReason {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            HoldReason::NoStartTime => "NoStartTime",
+            HoldReason::NoDevices => "NoDevices",
+            HoldReason::StaleData => "StaleData",
+            HoldReason::NoIdleSince => "NoIdleSince",
+            HoldReason::ActivityUnknown => "ActivityUnknown",
+            HoldReason::NoJobToSuspend => "NoJobToSuspend",
+            HoldReason::DeleteNotAllowed => "DeleteNotAllowed",
+        }
+    }
+}
+
+impl std::fmt::Display for HoldReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            HoldReason::NoStartTime => "the pod has no start time",
+            HoldReason::NoDevices => "the node's agent lists no GPU device held by the pod",
+            HoldReason::StaleData => "the node's utilization data is not current",
+            HoldReason::NoIdleSince => "a GPU is idle but reports no valid idleSince",
+            HoldReason::ActivityUnknown => "a GPU's activity is unknown",
+            HoldReason::NoJobToSuspend => {
+                "action Suspend needs a Job owner and the pod has none: use Auto or Evict"
+            }
+            HoldReason::DeleteNotAllowed => "action Delete needs allowDelete: true",
+        })
+    }
 }
 
 /// The action at the deadline.
@@ -280,16 +330,16 @@ pub fn reclaim_decision(
         return unwarn_or_ignore(why);
     }
     let Some(started) = pod_start(pod) else {
-        return Decision::Hold("the pod has no start time".into());
+        return Decision::Hold(HoldReason::NoStartTime);
     };
     if now.duration_since(started) < to_signed(&policy.startup_grace_period) {
         return unwarn_or_ignore("within its startup grace period");
     }
     if ctx.devices.is_empty() {
-        return Decision::Hold("the node's agent lists no GPU device held by the pod".into());
+        return Decision::Hold(HoldReason::NoDevices);
     }
     if !ctx.data_fresh {
-        return Decision::Hold("the node's utilization data is not current".into());
+        return Decision::Hold(HoldReason::StaleData);
     }
     if ctx.devices.iter().any(|d| d.activity == Activity::Busy) {
         return unwarn_or_ignore("a GPU is busy");
@@ -299,9 +349,9 @@ pub fn reclaim_decision(
         match (d.activity, d.idle_since) {
             (Activity::Idle, Some(t)) if t <= now => idle_since = idle_since.max(t),
             (Activity::Idle, _) => {
-                return Decision::Hold("a GPU is idle but reports no valid idleSince".into());
+                return Decision::Hold(HoldReason::NoIdleSince);
             }
-            _ => return Decision::Hold("a GPU's activity is unknown".into()),
+            _ => return Decision::Hold(HoldReason::ActivityUnknown),
         }
     }
     if now.duration_since(idle_since) < to_signed(&policy.idle_after) {
@@ -339,12 +389,10 @@ pub fn reclaim_decision(
         (ReclaimAction::Auto, Some(_)) => ActionKind::Evict,
         (ReclaimAction::Suspend, Some(job)) => ActionKind::Suspend { job },
         (ReclaimAction::Suspend, None) => {
-            return Decision::Hold(
-                "action Suspend needs a Job owner and the pod has none: use Auto or Evict".into(),
-            );
+            return Decision::Hold(HoldReason::NoJobToSuspend);
         }
         (ReclaimAction::Delete, _) if !policy.allow_delete => {
-            return Decision::Hold("action Delete needs allowDelete: true".into());
+            return Decision::Hold(HoldReason::DeleteNotAllowed);
         }
         (ReclaimAction::Delete, _) => ActionKind::Delete,
         _ => ActionKind::Evict,
@@ -598,7 +646,7 @@ mod tests {
                     },
                 ]),
                 policy: policy(),
-                want: Decision::Hold("a GPU's activity is unknown".into()),
+                want: Decision::Hold(HoldReason::ActivityUnknown),
             },
             Case {
                 name: "idle without idleSince",
@@ -608,21 +656,21 @@ mod tests {
                     idle_since: None,
                 }]),
                 policy: policy(),
-                want: Decision::Hold("a GPU is idle but reports no valid idleSince".into()),
+                want: Decision::Hold(HoldReason::NoIdleSince),
             },
             Case {
                 name: "idleSince in the future",
                 pod: pod(&[]),
                 ctx: ctx(vec![idle("2026-03-02T00:00:00Z")]),
                 policy: policy(),
-                want: Decision::Hold("a GPU is idle but reports no valid idleSince".into()),
+                want: Decision::Hold(HoldReason::NoIdleSince),
             },
             Case {
                 name: "no devices listed",
                 pod: pod(&[]),
                 ctx: ctx(vec![]),
                 policy: policy(),
-                want: Decision::Hold("the node's agent lists no GPU device held by the pod".into()),
+                want: Decision::Hold(HoldReason::NoDevices),
             },
             Case {
                 name: "stale data",
@@ -632,7 +680,7 @@ mod tests {
                     ..ctx(vec![idle("2026-03-01T10:00:00Z")])
                 },
                 policy: policy(),
-                want: Decision::Hold("the node's utilization data is not current".into()),
+                want: Decision::Hold(HoldReason::StaleData),
             },
             Case {
                 name: "young pod",

@@ -188,6 +188,7 @@ pub async fn run(
         .map(|p| pod_key(p))
         .collect();
 
+    let mut holds: BTreeMap<reclaim::HoldReason, u32> = BTreeMap::new();
     for gn in gpunodes {
         let node_name = gn.name_any();
         // Current only while the Node is Ready and its agent's heartbeats keep coming; the
@@ -217,10 +218,8 @@ pub async fn run(
             let decision = reclaim_decision(&pod, &pctx, policy, now);
             debug!(pod = %pod_key(&pod), ?decision, "reclaim decision");
             match decision {
-                Decision::Ignore(_)
-                | Decision::Hold(_)
-                | Decision::Wait { .. }
-                | Decision::Notified => {}
+                Decision::Hold(reason) => *holds.entry(reason).or_default() += 1,
+                Decision::Ignore(_) | Decision::Wait { .. } | Decision::Notified => {}
                 Decision::WaitForPressure => {
                     debug!(pod = %pod_key(&pod), "deadline passed; waiting for GPU demand");
                 }
@@ -256,7 +255,7 @@ pub async fn run(
         }
     }
     status.warned = warned.len() as u32;
-    let _ = pool_name;
+    ctx.metrics.pools.set_holds(&pool_name, holds);
     status
 }
 

@@ -328,6 +328,9 @@ impl NodeState {
         let validated = status.validated == Some(Verdict::True);
         self.status.publish(gpunode, status).await;
         agent.metrics.set(figures(FigureInputs {
+            node: &agent.config.node_name,
+            last_sample: self.sampling.last_success.map(|at| at.into_std()),
+            last_status_write: self.status.last_write_at(),
             inventory,
             health,
             samples: &self.sampling.samples,

@@ -33,6 +33,8 @@ pub struct SamplingJob {
     pub pods: BTreeMap<String, Vec<PodRef>>,
     /// The last PodResources call; `None` before the first.
     pub pod_resources: Option<Result<(), String>>,
+    /// When a sample last returned figures (`/metrics` shows its age).
+    pub last_success: Option<Instant>,
 }
 
 impl SamplingJob {
@@ -51,6 +53,7 @@ impl SamplingJob {
             samples: BTreeMap::new(),
             pods: BTreeMap::new(),
             pod_resources: None,
+            last_success: None,
         }
     }
 
@@ -123,6 +126,9 @@ impl SamplingJob {
         // looked is not counted as idle.
         let max_gap = (interval * 3).max(Duration::from_secs(60));
         self.idle.observe(&activity, Timestamp::now(), max_gap);
+        if !samples.is_empty() {
+            self.last_success = Some(Instant::now());
+        }
         self.samples = samples;
     }
 }

@@ -385,6 +385,11 @@ impl StatusPublisher {
         }
     }
 
+    /// When the last write (a change or a heartbeat) went through.
+    pub fn last_write_at(&self) -> Option<Instant> {
+        self.last_write_at
+    }
+
     /// Status writes so far.
     pub fn writes(&self) -> u64 {
         self.writes
