@@ -255,10 +255,10 @@ impl MpsPaths {
                         return Err(io::Error::last_os_error());
                     }
                 }
-                if let Some(dir) = &chroot {
-                    if libc::chroot(dir.as_ptr()) != 0 || libc::chdir(root.as_ptr()) != 0 {
-                        return Err(io::Error::last_os_error());
-                    }
+                if let Some(dir) = &chroot
+                    && (libc::chroot(dir.as_ptr()) != 0 || libc::chdir(root.as_ptr()) != 0)
+                {
+                    return Err(io::Error::last_os_error());
                 }
                 Ok(())
             });
