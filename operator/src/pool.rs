@@ -8,7 +8,9 @@ use gpupool_crds::labels::{DRIVER_INVALID_TAINT, MIG_RECONFIGURING_TAINT, POOL_L
 use gpupool_crds::node::{
     CDI_SPEC_READY, GpuNode, GpuNodeSpec, Health, MigState, NodeMigSpec, UtilizationSpec, Verdict,
 };
-use gpupool_crds::policy::{MpsPolicy, OnFailure, SharingPolicy, TimeSlicingPolicy};
+use gpupool_crds::policy::{
+    MigPolicy, MigStrategy, MpsPolicy, OnFailure, SharingPolicy, TimeSlicingPolicy,
+};
 use gpupool_crds::pool::{
     DriverVersionCount, GpuCounts, GpuPool, GpuPoolStatus, MigProgress, NodeProblem, ReclaimStatus,
 };
@@ -760,7 +762,7 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
             .map(|(version, nodes)| DriverVersionCount { version, nodes })
             .collect(),
         mig,
-        sharing: Some(sharing_summary(&pool.spec.sharing)),
+        sharing: Some(sharing_summary(&pool.spec.sharing, &pool.spec.mig)),
         reclaim: input.reclaim.clone(),
         conditions,
         problems,
@@ -769,8 +771,9 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
 
 /// The pool's `SHARING` column: `Exclusive`, or each mode with its replicas, the models or
 /// GPU indices it is limited to, and its isolation (`TimeSlicing x4 (isolation: none)`,
-/// `MPS x4 (isolation: memory)`), joined by `; `.
-pub fn sharing_summary(sharing: &SharingPolicy) -> String {
+/// `MPS x4 (isolation: memory)`, `MIG (isolation: hardware)` when the pool lays out MIG
+/// devices), joined by `; `.
+pub fn sharing_summary(sharing: &SharingPolicy, mig: &MigPolicy) -> String {
     fn scope(s: &mut String, models: &Option<Vec<String>>, gpus: &Option<Vec<u32>>) {
         if let Some(models) = models {
             s.push_str(&format!(" on {}", models.join(",")));
@@ -792,6 +795,14 @@ pub fn sharing_summary(sharing: &SharingPolicy) -> String {
         scope(&mut s, &mps.models, &mps.gpus);
         s.push_str(" (isolation: memory)");
         parts.push(s);
+    }
+    let lays_out_mig = mig.strategy != MigStrategy::None
+        && mig
+            .layout
+            .as_ref()
+            .is_some_and(|l| l.preset.as_deref().is_none_or(|p| p != "all-disabled"));
+    if lays_out_mig {
+        parts.insert(0, "MIG (isolation: hardware)".into());
     }
     if parts.is_empty() {
         return "Exclusive".into();
@@ -1484,10 +1495,25 @@ pub(crate) mod tests {
             SharingPolicy::default()
         );
         assert_eq!(
-            sharing_summary(&sharing),
+            sharing_summary(&sharing, &MigPolicy::default()),
             "TimeSlicing x4 on NVIDIA-L4 (isolation: none)"
         );
-        assert_eq!(sharing_summary(&SharingPolicy::default()), "Exclusive");
+        assert_eq!(
+            sharing_summary(&SharingPolicy::default(), &MigPolicy::default()),
+            "Exclusive"
+        );
+        let mig: MigPolicy = serde_json::from_value(serde_json::json!({
+            "strategy": "mixed", "layout": {"preset": "all-1g.10gb"},
+        }))
+        .unwrap();
+        assert_eq!(
+            sharing_summary(&SharingPolicy::default(), &mig),
+            "MIG (isolation: hardware)"
+        );
+        assert_eq!(
+            sharing_summary(&sharing, &mig),
+            "MIG (isolation: hardware); TimeSlicing x4 on NVIDIA-L4 (isolation: none)"
+        );
         let mut p = pool("infer", "2026-01-01T00:00:00Z", &[]);
         p.spec.sharing = sharing;
         let (gn, _) = desired_gpunode(&p, "n1", &l4);
@@ -1531,7 +1557,7 @@ pub(crate) mod tests {
         );
         assert!(l4.mps.is_none() && l4.time_slicing.is_some());
         assert_eq!(
-            sharing_summary(&sharing),
+            sharing_summary(&sharing, &MigPolicy::default()),
             "TimeSlicing x4 on NVIDIA-L4 (isolation: none); MPS x8 on NVIDIA-H100-80GB-HBM3 (isolation: memory)"
         );
     }

@@ -53,7 +53,8 @@ pub fn devices_by_pod(gn: &GpuNode) -> BTreeMap<(String, String), Vec<DeviceIdle
         return out;
     };
     for gpu in &status.gpus {
-        let shared = gpu.sharing.is_some();
+        // MIG devices are partitions, each one pod's: judged by their own idleness.
+        let shared = gpu.sharing.as_ref().is_some_and(|s| s.mode != "MIG");
         let shares = &gpu.shares;
         let mut add = |i: &Idleness| {
             for p in &i.pods {

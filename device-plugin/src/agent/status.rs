@@ -57,8 +57,26 @@ pub fn with_sharing(
             gpu.sharing = Some(m.clone());
         }
     }
+    with_time_slicing(&mut gpus, sharing, strategy);
+    // A GPU split into MIG devices and not time-sliced: each pod has its own slice, isolated in
+    // hardware (memory, caches, compute; a GPU-wide fault still reaches every slice).
+    for gpu in gpus
+        .iter_mut()
+        .filter(|g| g.sharing.is_none() && g.mig_enabled && !g.mig_devices.is_empty())
+    {
+        gpu.sharing = Some(GpuSharing {
+            mode: "MIG".into(),
+            replicas: gpu.mig_devices.len() as u32,
+            isolation: "Hardware".into(),
+            ..GpuSharing::default()
+        });
+    }
+    gpus
+}
+
+fn with_time_slicing(gpus: &mut [GpuStatus], sharing: &SharingPolicy, strategy: CrdMigStrategy) {
     let Some(ts) = &sharing.time_slicing else {
-        return gpus;
+        return;
     };
     for gpu in gpus.iter_mut().filter(|g| g.sharing.is_none()) {
         if ts.gpus.as_ref().is_some_and(|g| !g.contains(&gpu.index)) {
@@ -86,7 +104,6 @@ pub fn with_sharing(
             });
         }
     }
-    gpus
 }
 
 /// The idleness of each replica pods hold on the GPU `uuid` (`<uuid>::<n>` in `pods`).
@@ -539,6 +556,24 @@ mod tests {
         );
         assert_eq!(shared(under_mps.clone()), [0, 2]);
         assert_eq!(under_mps[0].sharing, Some(mps));
+        // MIG devices not time-sliced: isolated in hardware.
+        let mut migged = gpus.clone();
+        migged[2].mig_enabled = true;
+        let out = with_sharing(
+            migged,
+            &SharingPolicy::default(),
+            CrdMigStrategy::Mixed,
+            &none,
+        );
+        assert_eq!(
+            out[2].sharing,
+            Some(GpuSharing {
+                mode: "MIG".into(),
+                replicas: 2,
+                isolation: "Hardware".into(),
+                ..GpuSharing::default()
+            })
+        );
         assert!(
             shared(with_sharing(
                 gpus,
