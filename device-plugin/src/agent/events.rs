@@ -40,6 +40,8 @@ pub struct Observed {
     pub cdi_spec: Option<Result<(), SpecProblem>>,
     /// What the last scan for other device plugins found; `None` before the first.
     pub foreign_plugin: Option<Findings>,
+    /// Each MPS daemon by GPU index: serving, or why not (starting counts as not yet).
+    pub mps: BTreeMap<u32, Result<(), String>>,
 }
 
 /// One Event to publish.
@@ -143,7 +145,7 @@ fn foreign_plugin_event(previous: Option<&Findings>, now: &Findings) -> Option<A
 
 /// The Events that going from `previous` to `now` calls for, in the order they happened within
 /// a pass: MIG, CDI (write, then the file check), validation, PodResources, device health,
-/// other device plugins.
+/// other device plugins, MPS daemons.
 pub fn transitions(previous: &Observed, now: &Observed) -> Vec<AgentEvent> {
     let mut out = Vec::new();
     if let Some(mig) = &now.mig {
@@ -229,6 +231,35 @@ pub fn transitions(previous: &Observed, now: &Observed) -> Vec<AgentEvent> {
             previous.foreign_plugin.as_ref(),
             found,
         ));
+    }
+    for (index, state) in &now.mps {
+        let action = format!("MPS:GPU{index}");
+        match (previous.mps.get(index), state) {
+            // A daemon that fails where it served before, or fails to come up at all.
+            (Some(Ok(())), Err(why)) | (Some(Err(_)) | None, Err(why))
+                if !why.contains("starting") && previous.mps.get(index) != Some(state) =>
+            {
+                out.push(
+                    AgentEvent::new(
+                        true,
+                        "MPSDaemonDown",
+                        format!(
+                            "GPU {index}: {why}; its MPS replicas are Unhealthy until it is back"
+                        ),
+                    )
+                    .with_action(action),
+                );
+            }
+            (Some(Err(before)), Ok(())) if !before.contains("starting") => out.push(
+                AgentEvent::new(
+                    false,
+                    "MPSDaemonRunning",
+                    format!("GPU {index}: the MPS control daemon serves again"),
+                )
+                .with_action(action),
+            ),
+            _ => {}
+        }
     }
     out
 }
@@ -320,6 +351,68 @@ mod tests {
                 })
                 .collect(),
             ..Findings::default()
+        }
+    }
+
+    #[test]
+    fn mps_daemon_transitions() {
+        let o = |states: &[(u32, Result<(), &str>)]| Observed {
+            mps: states
+                .iter()
+                .map(|(i, s)| (*i, s.map_err(str::to_owned)))
+                .collect(),
+            ..Observed::default()
+        };
+        let starting = Err("MPS control daemon starting");
+        let died = Err("MPS control daemon not running: the daemon exited (signal: 9)");
+        let cases: Vec<(&str, Observed, Observed, Vec<&str>)> = vec![
+            ("starting: no news", o(&[]), o(&[(1, starting)]), vec![]),
+            (
+                "came up: no news",
+                o(&[(1, starting)]),
+                o(&[(1, Ok(()))]),
+                vec![],
+            ),
+            (
+                "died",
+                o(&[(1, Ok(()))]),
+                o(&[(1, died)]),
+                vec!["Warning MPSDaemonDown [MPS:GPU1]"],
+            ),
+            (
+                "still down: no news",
+                o(&[(1, died)]),
+                o(&[(1, died)]),
+                vec![],
+            ),
+            (
+                "restarting: no news",
+                o(&[(1, died)]),
+                o(&[(1, starting)]),
+                vec![],
+            ),
+            (
+                "back",
+                o(&[(1, died)]),
+                o(&[(1, Ok(()))]),
+                vec!["Normal MPSDaemonRunning [MPS:GPU1]"],
+            ),
+            (
+                "never started",
+                o(&[]),
+                o(&[(
+                    0,
+                    Err("MPS control daemon not running: nvidia-cuda-mps-control not found"),
+                )]),
+                vec!["Warning MPSDaemonDown [MPS:GPU0]"],
+            ),
+        ];
+        for (name, previous, now, want) in cases {
+            let got: Vec<String> = said(&transitions(&previous, &now));
+            assert_eq!(got.len(), want.len(), "{name}: {got:?}");
+            for (g, w) in got.iter().zip(&want) {
+                assert!(g.starts_with(w), "{name}: {g}");
+            }
         }
     }
 
@@ -785,6 +878,7 @@ mod tests {
             cdi_error: Some("c".into()),
             cdi_spec: Some(Err(spec_problem(ProblemKind::Missing, "s"))),
             foreign_plugin: Some(foreign(&[("nvidia-gpu.sock", "nvidia.com/gpu")])),
+            mps: BTreeMap::from([(1, Err("MPS control daemon not running: gone".into()))]),
         };
         let reasons: Vec<&str> = transitions(&Observed::default(), &now)
             .iter()
@@ -799,7 +893,8 @@ mod tests {
                 "ValidationFailed",
                 "PodResourcesUnavailable",
                 "DeviceUnhealthy",
-                "ForeignDevicePlugin"
+                "ForeignDevicePlugin",
+                "MPSDaemonDown"
             ]
         );
     }

@@ -304,6 +304,7 @@ impl NodeState {
             cdi_error: self.cdi.last_error.clone(),
             cdi_spec: self.cdi.check().cloned(),
             foreign_plugin: self.foreign.findings().cloned(),
+            mps: self.mps.states(),
         };
         self.events.observe(gpunode, observed).await;
         let status = status::build_status(
