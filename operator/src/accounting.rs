@@ -8,8 +8,9 @@
 //! start at zero when a replica becomes leader (Prometheus' `increase()` and `rate()` treat
 //! that as a counter reset) and do not count while no replica leads. A device's share of a GPU
 //! is 1 for a whole GPU and its compute slices over the GPU's for a MIG device; a device shared
-//! by several pods (time-slicing) splits its share between them, so summing over namespaces
-//! gives GPU-seconds, never more than the pool's GPUs times the elapsed time.
+//! by several pods (time-slicing, MPS) splits its share between them, so summing over namespaces
+//! gives GPU-seconds, never more than the pool's GPUs times the elapsed time; each such pod is
+//! idle from its own share's `idleSince` where the agent reports one (its own processes).
 
 use std::collections::BTreeMap;
 
@@ -58,17 +59,24 @@ fn mig_weight(model: &str, profile: &str) -> f64 {
     f64::from(compute.min(total)) / f64::from(total)
 }
 
-/// Each pod's share of a device of `weight` held as `idleness` says.
-fn split(idleness: &Idleness, weight: f64, out: &mut Vec<Share>) {
+/// Each pod's share of a device of `weight` held as `idleness` says. A pod the agent reports a
+/// share of (`shares`: sharing pods judged on their own processes) is idle from its share's
+/// `idleSince`; the others from the device's.
+fn split(idleness: &Idleness, shares: &[Idleness], weight: f64, out: &mut Vec<Share>) {
     let holders = idleness.pods.len();
     if holders == 0 {
         return;
     }
     for pod in &idleness.pods {
+        let own = shares.iter().find(|s| {
+            s.pods
+                .iter()
+                .any(|h| h.namespace == pod.namespace && h.name == pod.name)
+        });
         out.push(Share {
             namespace: pod.namespace.clone(),
             weight: weight / holders as f64,
-            idle_since: idleness.idle_since.as_ref().map(|t| t.0),
+            idle_since: own.unwrap_or(idleness).idle_since.as_ref().map(|t| t.0),
         });
     }
 }
@@ -77,10 +85,10 @@ fn split(idleness: &Idleness, weight: f64, out: &mut Vec<Share>) {
 fn gpu_shares(gpu: &GpuStatus, out: &mut Vec<Share>) {
     if gpu.mig_enabled {
         for m in &gpu.mig_devices {
-            split(&m.idleness, mig_weight(&gpu.model, &m.profile), out);
+            split(&m.idleness, &[], mig_weight(&gpu.model, &m.profile), out);
         }
     } else {
-        split(&gpu.idleness, 1.0, out);
+        split(&gpu.idleness, &gpu.shares, 1.0, out);
     }
 }
 
@@ -228,6 +236,17 @@ mod tests {
         assert_eq!(acc.idle[&key("training", "b")], 20.0 + 30.0);
         let total: f64 = acc.allocated.values().sum();
         assert_eq!(total, 4.0 * 60.0, "never more than the held GPUs' time");
+    }
+
+    #[test]
+    fn a_shared_gpus_tenants_are_idle_from_their_own_shares() {
+        // Busy as a whole (b works), a's share idle from 30 s into the interval.
+        let mut shared = gpu(held(&["a", "b"], None));
+        shared.shares = vec![held(&["a"], Some(30)), held(&["b"], None)];
+        let acc = accrue([&node("p", vec![shared])], t(0), t(60));
+        assert_eq!(acc.allocated[&key("p", "a")], 30.0);
+        assert_eq!(acc.idle[&key("p", "a")], 15.0, "half a GPU for 30 s");
+        assert!(!acc.idle.contains_key(&key("p", "b")));
     }
 
     #[test]
