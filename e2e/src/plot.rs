@@ -109,13 +109,14 @@ pub fn svg(title: &str, charts: &[Chart], markers: &Markers, start: f64, end: f6
                 t - start
             );
         }
-        for (t, label) in markers {
+        // Each marker's label on a line of its own, so close markers do not overprint.
+        for (k, (t, label)) in markers.iter().enumerate() {
             let _ = writeln!(
                 out,
                 r##"<line x1="{x0}" x2="{x0}" y1="{top}" y2="{}" stroke="#555" stroke-dasharray="4 3"/><text x="{}" y="{}" fill="#555">{}</text>"##,
                 top + plot_h,
                 x(*t) + 3.0,
-                top + 12.0,
+                top + 12.0 + 14.0 * k as f64,
                 escape(label),
                 x0 = x(*t),
             );

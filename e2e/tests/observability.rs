@@ -489,7 +489,14 @@ async fn prometheus_scrapes_fires_alerts_and_counts_idle_gpu_time() -> Result<()
                 series: health,
             },
             Chart {
-                title: format!("firing alerts: {}", fired.join(", ")),
+                title: format!(
+                    "firing alerts: Gpupool{{{}}}",
+                    fired
+                        .iter()
+                        .map(|a| a.trim_start_matches("Gpupool"))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                ),
                 unit: "alerts".into(),
                 series: alerts,
             },
