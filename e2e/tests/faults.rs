@@ -6,7 +6,7 @@
 //!   arrive, and deletes or recreates no GpuNode, and emits no `NodeLeft`.
 //! - The API server restarts right after a node joins the pool and right after an agent reports
 //!   a pod idle: the operator process carries on (no restart of its own), its watches come back
-//!   (each told its resource version expired, 410, and listing afresh) and pick up what changed,
+//!   (told their resource version expired, 410, and listing afresh) and pick up what changed,
 //!   the node joins and the pod is reclaimed exactly once.
 
 #[path = "operator_support.rs"]
@@ -113,19 +113,28 @@ async fn the_operator_rides_out_an_api_server_restart() -> Result<()> {
         .await
         .with_context(|| op.log_tail())?;
     ensure!(op.is_running(), "the operator exited:\n{}", op.log_tail());
-    // The restarted API server's watch cache starts at the current revision, so every watch
+    // The restarted API server's watch cache starts at the current revision, so a watch
     // resuming from an older one is told it expired (410 Gone) and must list afresh: the joins
-    // and reclaims above happened after such relists, of each kind the operator watches.
+    // and reclaims above happened after such relists. Which kinds expire depends on timing: a
+    // watch whose last bookmark already carried the current revision resumes without one (seen
+    // on a loaded machine for Node), so the fault is proven by the expiries that did happen.
     let log = strip_ansi(&std::fs::read_to_string(&op.log)?);
-    for kind in ["Node", "GpuNode", "Pod", "Namespace"] {
-        ensure!(
-            log.lines().any(|l| l.contains("watch failed")
-                && l.contains(&format!("kind=\"{kind}\""))
-                && l.contains("too old resource version")),
-            "no expired {kind} watch in the operator's log:\n{}",
-            op.log_tail()
-        );
-    }
+    let expired: Vec<&str> = ["Node", "GpuNode", "Pod", "Namespace"]
+        .into_iter()
+        .filter(|kind| {
+            log.lines().any(|l| {
+                l.contains("watch failed")
+                    && l.contains(&format!("kind=\"{kind}\""))
+                    && l.contains("too old resource version")
+            })
+        })
+        .collect();
+    ensure!(
+        !expired.is_empty(),
+        "no expired watch in the operator's log: the restart injected no fault\n{}",
+        op.log_tail()
+    );
+    eprintln!("e2e: watches told they expired after the restart: {expired:?}");
     // Exactly once: a few more passes add nothing.
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     let history: Vec<ReclaimRecord> = Api::<gpupool_crds::GpuPool>::all(client.clone())
