@@ -70,5 +70,6 @@ say "bringing the cluster up in $GPUPOOL_E2E_DIR"
 export KUBECONFIG=$GPUPOOL_E2E_DIR/kubeconfig
 export GPUPOOL_E2E_REUSE=1
 
-say "cargo test -p gpupool-e2e $*"
-cargo test -p gpupool-e2e "$@"
+# --no-fail-fast: one failing test binary does not hide how the others fare.
+say "cargo test -p gpupool-e2e --no-fail-fast $*"
+cargo test -p gpupool-e2e --no-fail-fast "$@"
