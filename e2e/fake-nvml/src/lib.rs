@@ -837,9 +837,23 @@ export! {
     fn nvmlEventSetWait_v2(set: nvmlEventSet_t, data: *mut sys::nvmlEventData_t, timeout_ms: c_uint) {
         let c = ctx()?;
         let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
-        // Watching before the first read: a write after any read below wakes the wait.
-        let watch = StateWatch::new(c.state.path());
+        // The set's watch lives as long as the set: it was watching before the first read
+        // below, so a write after any read wakes the wait; and closing an inotify instance
+        // waits for an RCU grace period (milliseconds), too long to pay on every call. A wait
+        // that does not wait needs none.
+        let watch = match timeout_ms {
+            0 => None,
+            _ => with_set(set, |s| {
+                Ok(s.watch
+                    .get_or_init(|| StateWatch::new(c.state.path()).map(Arc::new))
+                    .clone())
+            })?,
+        };
         loop {
+            // What was queued before this read is seen by it.
+            if let Some(w) = &watch {
+                w.drain_names_file();
+            }
             let (state, now) = c.read()?;
             let next = with_set(set, |s| {
                 let mut inner = s.lock();
@@ -1386,11 +1400,16 @@ struct EventSetInner {
 }
 
 #[derive(Default)]
-struct EventSet(Mutex<EventSetInner>);
+struct EventSet {
+    inner: Mutex<EventSetInner>,
+    /// The state file's watch, made by the first wait with a timeout (`None` inside: inotify
+    /// unavailable, so waits poll).
+    watch: std::sync::OnceLock<Option<Arc<StateWatch>>>,
+}
 
 impl EventSet {
     fn lock(&self) -> MutexGuard<'_, EventSetInner> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
