@@ -31,6 +31,7 @@ use std::path::{Path, PathBuf};
 
 use container_device_interface::specs::config::Spec as CdiSpec;
 use gpupool_crds::policy::CdiDeviceNameStrategy;
+use serde::Deserialize;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
@@ -1189,8 +1190,7 @@ pub fn cdi_spec(
         "devices": devices,
         "containerEdits": edits,
     });
-    let spec: CdiSpec =
-        serde_json::from_value(raw.clone()).map_err(|e| CdiError::Encode(e.to_string()))?;
+    let spec = CdiSpec::deserialize(&raw).map_err(|e| CdiError::Encode(e.to_string()))?;
     // The lowest version whose rules the content needs, as the CDI crate computes it.
     let version = container_device_interface::version::minimum_required_version(&spec)
         .map_err(|e| CdiError::Validation(e.to_string()))?;
@@ -1324,12 +1324,55 @@ pub struct SpecOutcome {
     pub library_source: LibrarySource,
 }
 
+/// The last spec this process validated and rendered, so that a pass producing the same spec
+/// again (the steady state: nothing on the node changed) neither validates nor serializes it.
+/// Validation and YAML rendering are most of a pass's cost; discovery still runs every pass,
+/// so a driver change is seen.
+#[derive(Debug, Default)]
+pub struct SpecMemo {
+    /// SHA-256 of the spec's JSON form and its path.
+    key: Option<[u8; 32]>,
+    /// The rendered YAML of that spec.
+    content: String,
+}
+
+impl SpecMemo {
+    /// The memo key of `spec` written at `path`.
+    fn key(spec: &CdiSpec, path: &Path) -> Result<[u8; 32], CdiError> {
+        let json = serde_json::to_vec(spec).map_err(|e| CdiError::Encode(e.to_string()))?;
+        let mut hasher = Sha256::new();
+        hasher.update(path.as_os_str().as_encoded_bytes());
+        hasher.update([0]);
+        hasher.update(&json);
+        Ok(hasher.finalize().into())
+    }
+}
+
 /// Discovers host files, builds, validates and writes the spec.
 pub fn generate_and_write(
     inventory: &Inventory,
     driver_root: &DriverRoot,
     spec_dir: &Path,
     options: &CdiOptions,
+) -> Result<SpecOutcome, CdiError> {
+    generate_and_write_memo(
+        inventory,
+        driver_root,
+        spec_dir,
+        options,
+        &mut SpecMemo::default(),
+    )
+}
+
+/// [`generate_and_write`], skipping validation and rendering when the spec equals the one in
+/// `memo`. Validation is also skipped when the spec file already holds exactly the rendered
+/// content: it is not rewritten, and it was validated when it was written.
+pub fn generate_and_write_memo(
+    inventory: &Inventory,
+    driver_root: &DriverRoot,
+    spec_dir: &Path,
+    options: &CdiOptions,
+    memo: &mut SpecMemo,
 ) -> Result<SpecOutcome, CdiError> {
     let local = driver_root.local();
     let minors = read_mig_minors(local)?;
@@ -1339,9 +1382,18 @@ pub fn generate_and_write(
     let host = driver_root.relocate(found);
     let generated = cdi_spec(inventory, &minors, &host, options)?;
     let path = spec_dir.join(SPEC_FILE_NAME);
-    validate_spec(&generated.spec, &path)?;
-    let content = render(&generated.spec)?;
-    let written = write_spec(spec_dir, &content)?;
+    let key = SpecMemo::key(&generated.spec, &path)?;
+    if memo.key != Some(key) {
+        memo.key = None;
+        let content = render(&generated.spec)?;
+        let on_disk = fs::read(&path).is_ok_and(|old| old == content.as_bytes());
+        if !on_disk {
+            validate_spec(&generated.spec, &path)?;
+        }
+        memo.content = content;
+        memo.key = Some(key);
+    }
+    let written = write_spec(spec_dir, &memo.content)?;
     if written.changed {
         let without_soname = host.libraries.iter().filter(|l| l.soname.is_none()).count();
         tracing::info!(

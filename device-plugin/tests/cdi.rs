@@ -1428,3 +1428,48 @@ fn nvml_is_found_through_the_roots_ldcache() {
         Some(fs::canonicalize(root.join(format!("opt/nvml/libnvidia-ml.so.{version}"))).unwrap())
     );
 }
+
+/// The memo skips validation and rendering only for the very spec it holds: the same bytes as
+/// a pass without it, a driver change still seen, a file edited behind the agent's back still
+/// put back.
+#[test]
+fn memo_reuses_only_an_identical_spec() {
+    let backend = sim(&fixtures_dir().join("l4-4x.yaml"));
+    let inv = Inventory::read(&backend).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("driver");
+    driver_root::build(&root, &inv.driver.driver_version, 4).unwrap();
+    let root = cdi::DriverRoot::direct(&root);
+    let (plain_dir, memo_dir) = (tmp.path().join("plain"), tmp.path().join("memo"));
+    let mut memo = cdi::SpecMemo::default();
+    let run = |memo: &mut cdi::SpecMemo| {
+        cdi::generate_and_write_memo(&inv, &root, &memo_dir, &options(), memo).unwrap()
+    };
+
+    let plain = cdi::generate_and_write(&inv, &root, &plain_dir, &options()).unwrap();
+    let first = run(&mut memo);
+    assert!(first.written.changed);
+    assert_eq!(first.written.digest, plain.written.digest);
+    let again = run(&mut memo);
+    assert!(!again.written.changed);
+    assert_eq!(again.written.digest, plain.written.digest);
+    assert_eq!(
+        fs::read(&again.written.path).unwrap(),
+        fs::read(&plain.written.path).unwrap()
+    );
+
+    // Edited behind the agent's back: the memo's content is written back.
+    fs::write(&again.written.path, "edited\n").unwrap();
+    let restored = run(&mut memo);
+    assert!(restored.written.changed);
+    assert_eq!(restored.written.digest, plain.written.digest);
+
+    // A GPU's device node goes: a new spec, not the memo's.
+    fs::remove_file(root.local().join("dev/nvidia3")).unwrap();
+    let changed = run(&mut memo);
+    assert!(changed.written.changed);
+    assert_ne!(changed.written.digest, plain.written.digest);
+    assert!(!changed.device_names.contains(&"3".to_owned()));
+    let fresh = cdi::generate_and_write(&inv, &root, &plain_dir, &options()).unwrap();
+    assert_eq!(fresh.written.digest, changed.written.digest);
+}

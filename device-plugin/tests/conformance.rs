@@ -1138,3 +1138,26 @@ fn fake_nvml_lists_processes_only_in_their_pid_namespace() {
     );
     assert_eq!(probe(&unset), Ok(1), "unset: the child sees them too");
 }
+
+/// A fault another process writes into the fake's state file ends a long event wait with that
+/// fault (the fake watches the file rather than polling it; the latency is in the benchmark).
+#[test]
+fn fake_event_wait_returns_a_fault_written_meanwhile() {
+    let h = fake_harness(&fixture_path("faults.yaml"));
+    h.set_time(0.0);
+    let mut events = h.backend.health_events().unwrap();
+    assert!(events.wait(Duration::ZERO).unwrap().is_empty());
+    let (node, state) = (&h.node, &h.state);
+    let got = std::thread::scope(|s| {
+        s.spawn(move || {
+            state
+                .update(node, |st| {
+                    st.inject(node, Fault::gpu(2, FaultKind::Xid(48)).to_fixture(), 0.0)
+                })
+                .unwrap();
+        });
+        events.wait(Duration::from_secs(60)).unwrap()
+    });
+    let kinds: Vec<_> = got.iter().map(|e| (e.gpu, e.kind)).collect();
+    assert_eq!(kinds, vec![(2, HealthEventKind::Xid(48))]);
+}

@@ -322,6 +322,18 @@ impl SimState {
         out.into_iter().map(|(_, e)| e).collect()
     }
 
+    /// The earliest time after `now` at which a scripted or injected fault falls due, so an
+    /// event wait on a running clock knows when to look again without polling.
+    pub fn next_fault_after(&self, node: &Node, now: f64) -> Option<f64> {
+        node.fixture
+            .faults
+            .iter()
+            .map(|f| f.at)
+            .chain(self.injected.iter().map(|f| f.fault.at))
+            .filter(|at| *at > now)
+            .min_by(f64::total_cmp)
+    }
+
     /// Event types the GPU can deliver (`nvmlDeviceGetSupportedEventTypes`).
     pub fn supported_event_types(&self, node: &Node, gpu: u32) -> SimResult<u64> {
         let g = node.gpu(gpu)?;
@@ -852,5 +864,42 @@ impl SimState {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixture::FaultKind;
+
+    /// The fake library's event wait sleeps until this time on a running clock, so an early
+    /// answer costs a wake-up and a late or missing one delays a fault.
+    #[test]
+    fn next_fault_after_counts_scripted_and_injected_faults() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/faults.yaml");
+        let node = Node::load(&path).unwrap();
+        let mut state = SimState::boot(&node);
+        // The fixture's script: 30, 60, 90, 120.
+        for (now, next) in [
+            (0.0, Some(30.0)),
+            (30.0, Some(60.0)),
+            (59.9, Some(60.0)),
+            (119.0, Some(120.0)),
+            (120.0, None),
+        ] {
+            assert_eq!(state.next_fault_after(&node, now), next, "at {now}");
+        }
+        let fault = |at| FaultFixture {
+            at,
+            gpu: 2,
+            fault: FaultKind::Xid(48),
+            gpu_instance: None,
+            compute_instance: None,
+        };
+        // Injected faults are dated when injected.
+        state.inject(&node, fault(0.0), 150.0).unwrap();
+        assert_eq!(state.next_fault_after(&node, 120.0), Some(150.0));
+        assert_eq!(state.next_fault_after(&node, 10.0), Some(30.0));
+        assert_eq!(state.next_fault_after(&node, 150.0), None);
     }
 }

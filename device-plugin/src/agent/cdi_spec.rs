@@ -27,6 +27,8 @@ pub struct CdiJob {
     written: Option<WrittenSpec>,
     /// What the last check found: `None` before the first write or with CDI off.
     check: Option<Result<(), SpecProblem>>,
+    /// The spec last validated and rendered, reused while nothing changes.
+    memo: cdi::SpecMemo,
 }
 
 /// What the agent wrote, as the check compares the file with it.
@@ -361,7 +363,8 @@ impl CdiJob {
         let result = CdiOptions::from_policy(policy).and_then(|opts| {
             let root = DriverRoot::new(roots.host_root, &root)?;
             let kind = opts.kind.as_str().to_owned();
-            cdi::generate_and_write(inventory, &root, &dir, &opts).map(|o| (o, kind))
+            cdi::generate_and_write_memo(inventory, &root, &dir, &opts, &mut self.memo)
+                .map(|o| (o, kind))
         });
         match result {
             Ok((outcome, kind)) => {

@@ -837,7 +837,23 @@ export! {
     fn nvmlEventSetWait_v2(set: nvmlEventSet_t, data: *mut sys::nvmlEventData_t, timeout_ms: c_uint) {
         let c = ctx()?;
         let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
+        // The set's watch lives as long as the set: it was watching before the first read
+        // below, so a write after any read wakes the wait; and closing an inotify instance
+        // waits for an RCU grace period (milliseconds), too long to pay on every call. A wait
+        // that does not wait needs none.
+        let watch = match timeout_ms {
+            0 => None,
+            _ => with_set(set, |s| {
+                Ok(s.watch
+                    .get_or_init(|| StateWatch::new(c.state.path()).map(Arc::new))
+                    .clone())
+            })?,
+        };
         loop {
+            // What was queued before this read is seen by it.
+            if let Some(w) = &watch {
+                w.drain_names_file();
+            }
             let (state, now) = c.read()?;
             let next = with_set(set, |s| {
                 let mut inner = s.lock();
@@ -863,8 +879,19 @@ export! {
             if left.is_zero() {
                 return Err(TIMEOUT);
             }
-            // Faults injected by another process arrive through the state file.
-            std::thread::sleep(left.min(Duration::from_millis(20)));
+            // Faults injected by another process arrive through the state file; scripted ones,
+            // and injected ones dated later, fall due as a running clock passes them.
+            let due = match state.clock_s {
+                Some(_) => None,
+                None => state
+                    .next_fault_after(&c.node, now)
+                    .map(|at| Duration::from_secs_f64((at - now).max(0.0))),
+            };
+            let wait = due.map_or(left, |d| d.min(left));
+            match &watch {
+                Some(w) => w.wait(wait),
+                None => std::thread::sleep(wait.min(FALLBACK_POLL)),
+            }
         }
     }
 
@@ -1373,11 +1400,16 @@ struct EventSetInner {
 }
 
 #[derive(Default)]
-struct EventSet(Mutex<EventSetInner>);
+struct EventSet {
+    inner: Mutex<EventSetInner>,
+    /// The state file's watch, made by the first wait with a timeout (`None` inside: inotify
+    /// unavailable, so waits poll).
+    watch: std::sync::OnceLock<Option<Arc<StateWatch>>>,
+}
 
 impl EventSet {
     fn lock(&self) -> MutexGuard<'_, EventSetInner> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -1396,6 +1428,98 @@ fn with_set<T>(set: nvmlEventSet_t, f: impl FnOnce(&EventSet) -> R<T>) -> R<T> {
     // hold so it cannot be freed meanwhile).
     let s = unsafe { &*set.cast::<EventSet>() };
     f(s)
+}
+
+/// How often an event wait looks at the state file when inotify is unavailable.
+const FALLBACK_POLL: Duration = Duration::from_millis(20);
+
+/// An inotify watch on the state file's directory: the file is replaced by rename, so the
+/// directory is watched and only events naming the file wake the wait (the lock file beside it
+/// is opened by every read, and would otherwise wake the waiter with its own reads).
+struct StateWatch {
+    fd: std::os::fd::OwnedFd,
+    name: Vec<u8>,
+}
+
+impl StateWatch {
+    /// `None` when inotify cannot be used (no instances left, no directory): the wait polls.
+    fn new(state: &std::path::Path) -> Option<StateWatch> {
+        use std::os::fd::FromRawFd;
+        use std::os::unix::ffi::OsStrExt;
+        let name = state.file_name()?.as_bytes().to_vec();
+        let dir = match state.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => std::path::Path::new("."),
+        };
+        let dir = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+        // SAFETY: plain syscall; a non-negative result is a new descriptor we own.
+        let raw = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+        if raw < 0 {
+            return None;
+        }
+        // SAFETY: `raw` is a fresh descriptor nothing else owns.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+        let mask = libc::IN_MOVED_TO | libc::IN_CLOSE_WRITE | libc::IN_CREATE;
+        // SAFETY: `dir` is a NUL-terminated path; `fd` is an inotify descriptor.
+        let wd = unsafe {
+            libc::inotify_add_watch(std::os::fd::AsRawFd::as_raw_fd(&fd), dir.as_ptr(), mask)
+        };
+        (wd >= 0).then_some(StateWatch { fd, name })
+    }
+
+    /// Returns once the state file was written or replaced, or after `timeout`.
+    fn wait(&self, timeout: Duration) {
+        use std::os::fd::AsRawFd;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut pfd = libc::pollfd {
+                fd: self.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // Rounded up, so a wait for a fault due in 0.3 ms does not spin.
+            let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+            // SAFETY: one valid pollfd.
+            let ready = unsafe { libc::poll(&mut pfd, 1, ms) };
+            if ready <= 0 {
+                // Timed out, or interrupted: the caller reads the state again either way.
+                return;
+            }
+            if self.drain_names_file() || left.is_zero() {
+                return;
+            }
+        }
+    }
+
+    /// Reads every queued event; whether one names the state file.
+    fn drain_names_file(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        const HEADER: usize = std::mem::size_of::<libc::inotify_event>();
+        let mut buf = [0u8; 4096];
+        let mut hit = false;
+        loop {
+            // SAFETY: reading into a buffer of buf.len() bytes.
+            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            let Ok(n) = usize::try_from(n) else {
+                // EAGAIN: drained (or an error: the caller reads the state anyway).
+                return hit;
+            };
+            if n == 0 {
+                return hit;
+            }
+            let mut at = 0;
+            while at + HEADER <= n {
+                // The name length sits after wd, mask and cookie (three 4-byte fields).
+                let len_bytes = [buf[at + 12], buf[at + 13], buf[at + 14], buf[at + 15]];
+                let len = u32::from_ne_bytes(len_bytes) as usize;
+                let name = buf.get(at + HEADER..at + HEADER + len).unwrap_or(&[]);
+                let name = name.split(|b| *b == 0).next().unwrap_or(&[]);
+                hit |= name == self.name.as_slice();
+                at += HEADER + len;
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

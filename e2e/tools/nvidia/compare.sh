@@ -16,7 +16,9 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$REPO/target}
 
 bin=$("$DIR/build.sh")
 export NVIDIA_CTK=$bin/nvidia-ctk NVIDIA_DEVICE_PLUGIN=$bin/nvidia-device-plugin
-export GPUPOOL_FAKE_NVML_LIB=${GPUPOOL_FAKE_NVML_LIB:-$("$REPO/e2e/fake-nvml/build.sh")}
+# A release build: every NVML call of both stacks goes through it, and a debug build's cost
+# (each call reads the state file) would sit in the latency figures.
+export GPUPOOL_FAKE_NVML_LIB=${GPUPOOL_FAKE_NVML_LIB:-$("$REPO/e2e/fake-nvml/build.sh" release)}
 export GPUPOOL_REPO=$REPO
 cargo build --quiet --release --manifest-path "$DIR/compare/Cargo.toml"
 compare=$CARGO_TARGET_DIR/release/gpupool-nvidia-compare

@@ -360,15 +360,20 @@ impl NvmlEvents<'_> {
         let op = "reading a health event";
         // Events name the physical GPU; should a driver hand out a MIG device handle, map it
         // to its parent.
-        let device = match raw.index(e.device) {
-            Ok(_) => e.device,
-            Err(_) => raw
-                .parent_of_mig_device(e.device)
-                .map_err(|err| self.backend.raw_error(op, "event device", err))?,
+        // One index call on the common path: each NVML call costs a driver round trip, and
+        // this runs between the fault and the plugins' Unhealthy.
+        let (device, gpu) = match raw.index(e.device) {
+            Ok(gpu) => (e.device, gpu),
+            Err(_) => {
+                let parent = raw
+                    .parent_of_mig_device(e.device)
+                    .map_err(|err| self.backend.raw_error(op, "event device", err))?;
+                let gpu = raw
+                    .index(parent)
+                    .map_err(|err| self.backend.raw_error(op, "event device", err))?;
+                (parent, gpu)
+            }
         };
-        let gpu = raw
-            .index(device)
-            .map_err(|err| self.backend.raw_error(op, "event device", err))?;
         let uuid = raw
             .uuid(device)
             .map_err(|err| self.backend.raw_error(op, gpu_target(gpu), err))?

@@ -8,9 +8,10 @@
 //!   unix-socket client.
 //! - health event → ListAndWatch: an Xid 79 written into the fake's state file (as the driver
 //!   would raise it) until the stand-in sees that GPU Unhealthy. Both plugins learn of it
-//!   through `nvmlEventSetWait` on the fake, which polls the state file every 20 ms, so the
-//!   figures include that floor. NVIDIA's plugin never marks a device healthy again, so each
-//!   GPU gives one sample per plugin run.
+//!   through `nvmlEventSetWait` on the fake, which wakes on the state file's write (inotify),
+//!   so the figures measure the plugins and the library's delivery, not a poll interval.
+//!   NVIDIA's plugin never marks a device healthy again, so each GPU gives one sample per
+//!   plugin run.
 //! - VmRSS of the plugin process after registration and after the 10,000 Allocates.
 
 use std::collections::BTreeMap;
@@ -214,7 +215,7 @@ fn print_table(figures: &BTreeMap<Side, Figures>) {
     );
     row(
         &format!(
-            "Xid 79 → ListAndWatch Unhealthy, p50 of {} (incl. the fake's 20 ms event poll)",
+            "Xid 79 → ListAndWatch Unhealthy, p50 of {}",
             HEALTH_GPUS.len()
         ),
         q(&n.health, 0.5),

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use gpupool_crds::policy::CdiDeviceNameStrategy;
-use gpupool_device_plugin::cdi::{CdiOptions, SPEC_FILE_NAME, generate_and_write};
+use gpupool_device_plugin::cdi::{CdiOptions, DriverRoot, SPEC_FILE_NAME, generate_and_write};
 use gpupool_device_plugin::inventory::Inventory;
 use serde_yaml::Value;
 
@@ -167,7 +167,12 @@ pub fn ours_cdi(node_dir: &Path, spec_dir: &Path) -> Result<PathBuf> {
             .map_err(|e| anyhow::anyhow!("{e}"))?,
         naming: CdiDeviceNameStrategy::all(),
     };
-    let outcome = generate_and_write(&inventory, &node.root(), spec_dir, &options)?;
+    let outcome = generate_and_write(
+        &inventory,
+        &DriverRoot::direct(&node.root()),
+        spec_dir,
+        &options,
+    )?;
     for s in &outcome.skipped {
         eprintln!("ours-cdi: skipped {s}");
     }

@@ -18,7 +18,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use gpupool_crds::policy::{CdiDeviceNameStrategy, MigStrategy as CrdMigStrategy};
+use gpupool_crds::policy::{CdiDeviceNameStrategy, MigStrategy as CrdMigStrategy, SharingPolicy};
 use gpupool_device_plugin::backend::{self, HealthEventKind as BackendKind};
 use gpupool_device_plugin::inventory::Inventory;
 use gpupool_device_plugin::plugin::api::v1beta1::{
@@ -325,6 +325,9 @@ pub async fn serve_ours(node_dir: &Path, plugin_dir: &Path, strategy: &str) -> R
         &inventory,
         strategy,
         &CdiDeviceNameStrategy::all(),
+        // No sharing: NVIDIA's plugin runs without a sharing config too.
+        &SharingPolicy::default(),
+        &gpupool_device_plugin::agent::advertise::MpsView::default(),
         Arc::new(Topology::new()),
     );
     // MIG device UUID by (GPU, GI, CI), to attribute MIG events as the agent does.
