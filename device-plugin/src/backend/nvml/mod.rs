@@ -336,6 +336,10 @@ fn optional<T>(r: Result<T>) -> Result<Option<T>> {
 struct NvmlEvents<'a> {
     backend: &'a NvmlBackend,
     set: sys::nvmlEventSet_t,
+    /// Each registered GPU's handle (as an address) → its index and UUID, read once when the
+    /// set is made: an event on a known GPU is then described with no NVML call, so nothing
+    /// stands between the driver's event and the plugins' Unhealthy but the wait itself.
+    known: HashMap<usize, (u32, String)>,
 }
 
 // SAFETY: an NVML event set may be waited on from any thread; it is used by one at a time
@@ -358,8 +362,24 @@ impl NvmlEvents<'_> {
         };
         let raw = self.backend.raw();
         let op = "reading a health event";
-        // Events name the physical GPU; should a driver hand out a MIG device handle, map it
-        // to its parent.
+        let attribution = || {
+            (
+                (e.gpu_instance != u32::MAX).then_some(GpuInstanceId(e.gpu_instance)),
+                (e.compute_instance != u32::MAX).then_some(ComputeInstanceId(e.compute_instance)),
+            )
+        };
+        if let Some((gpu, uuid)) = self.known.get(&(e.device as usize)) {
+            let (gpu_instance, compute_instance) = attribution();
+            return Ok(Some(HealthEvent {
+                gpu: *gpu,
+                uuid: uuid.parse()?,
+                kind,
+                gpu_instance,
+                compute_instance,
+            }));
+        }
+        // A handle not registered here: events name the physical GPU; should a driver hand out
+        // a MIG device handle, map it to its parent.
         // One index call on the common path: each NVML call costs a driver round trip, and
         // this runs between the fault and the plugins' Unhealthy.
         let (device, gpu) = match raw.index(e.device) {
@@ -563,7 +583,11 @@ impl GpuBackend for NvmlBackend {
         let set = raw
             .event_set_create()
             .map_err(|e| self.raw_error(op, "all GPUs", e))?;
-        let events = NvmlEvents { backend: self, set };
+        let mut events = NvmlEvents {
+            backend: self,
+            set,
+            known: HashMap::new(),
+        };
         let wanted = u64::from(
             sys::nvmlEventTypeXidCriticalError
                 | sys::nvmlEventTypeDoubleBitEccError
@@ -584,6 +608,9 @@ impl GpuBackend for NvmlBackend {
             }
             raw.register_events(h, supported & wanted, set)
                 .map_err(|e| self.raw_error(op, gpu_target(gpu), e))?;
+            if let Ok(uuid) = raw.uuid(h) {
+                events.known.insert(h as usize, (gpu, uuid));
+            }
         }
         Ok(Box::new(events))
     }
