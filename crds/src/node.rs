@@ -452,6 +452,15 @@ pub struct GpuStatus {
     pub idleness: Idleness,
 }
 
+/// The share `pod` holds among `shares` (a GPU's `shares`), if the agent reports one.
+pub fn share_of<'a>(shares: &'a [Idleness], pod: &PodRef) -> Option<&'a Idleness> {
+    shares.iter().find(|s| {
+        s.pods
+            .iter()
+            .any(|h| h.namespace == pod.namespace && h.name == pod.name)
+    })
+}
+
 /// One MIG device.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]

@@ -15,6 +15,18 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 use crate::repo_root;
+
+/// A series' or alert's labels from Prometheus' JSON (an object of strings).
+fn label_map(labels: &Value) -> BTreeMap<String, String> {
+    labels
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
 use crate::wait::poll;
 
 /// The chart's alerting rules: the one file the chart, promtool and these tests read.
@@ -199,14 +211,7 @@ impl Prometheus {
         result
             .iter()
             .map(|r| {
-                let labels = r["metric"]
-                    .as_object()
-                    .map(|m| {
-                        m.iter()
-                            .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
-                            .collect()
-                    })
-                    .unwrap_or_default();
+                let labels = label_map(&r["metric"]);
                 let at = r["value"][0].as_f64().context("no sample time")?;
                 let value = r["value"][1]
                     .as_str()
@@ -262,14 +267,7 @@ impl Prometheus {
         Ok(result
             .iter()
             .map(|r| {
-                let labels = r["metric"]
-                    .as_object()
-                    .map(|m| {
-                        m.iter()
-                            .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
-                            .collect()
-                    })
-                    .unwrap_or_default();
+                let labels = label_map(&r["metric"]);
                 let points = r["values"]
                     .as_array()
                     .map(|vs| {
@@ -294,14 +292,7 @@ impl Prometheus {
             .unwrap_or_default()
             .iter()
             .map(|a| {
-                let labels = a["labels"]
-                    .as_object()
-                    .map(|m| {
-                        m.iter()
-                            .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
-                            .collect()
-                    })
-                    .unwrap_or_default();
+                let labels = label_map(&a["labels"]);
                 (labels, a["state"].as_str().unwrap_or_default().to_owned())
             })
             .collect())

@@ -204,6 +204,45 @@ fn since(later: SystemTime, earlier: SystemTime) -> String {
     }
 }
 
+/// Creates a pod asking for one `nvidia.com/gpu` per name on the kubelet's node, waits for each
+/// to run, and checks the one CreateContainer recorded for it carries exactly the CDI device and
+/// UUID of GPU `uuid`; returns those records, in `names` order.
+async fn admit_on_gpu(
+    client: &Client,
+    scope: &TestScope,
+    kubelet: &RealKubelet,
+    names: &[String],
+    uuid: &str,
+) -> Result<Vec<Value>> {
+    let node = &kubelet.node;
+    let want = format!("gpupool.io/gpu={uuid}");
+    for name in names {
+        create_pod(client, scope, &gpu_pod(scope, name, node, GPU, 1)?).await?;
+    }
+    let mut records = Vec::with_capacity(names.len());
+    for name in names {
+        wait_pod(
+            client,
+            scope,
+            name,
+            &format!("{name} Running"),
+            Duration::from_secs(60),
+            |p| phase(p) == "Running",
+        )
+        .await?;
+        let mut creates = kubelet.creates_of(scope.namespace(), name)?;
+        ensure!(creates.len() == 1, "{name}: {creates:?}");
+        let record = creates.remove(0);
+        let (cdi, _, visible) = recorded_devices(&record);
+        ensure!(
+            cdi == [want.clone()] && visible.as_deref() == Some(uuid),
+            "{name}: CDI devices {cdi:?}, NVIDIA_VISIBLE_DEVICES {visible:?}; want {want} and {uuid}"
+        );
+        records.push(record);
+    }
+    Ok(records)
+}
+
 /// Step 8: GPU 1 time-sliced four ways. Capacity becomes 4; four pods are admitted, each
 /// container given GPU 1's CDI device and UUID; the agent reports all four on GPU 1, shared with
 /// isolation `None`; a fifth pod stays Pending; a pod asking for two replicas is refused by the
@@ -241,27 +280,7 @@ async fn time_slicing(
         .context("no GPU 1 in status")?;
     let want = format!("gpupool.io/gpu={uuid}");
     let names: Vec<String> = (0..4).map(|i| scope.name(&format!("shared-{i}"))).collect();
-    for name in &names {
-        create_pod(client, scope, &gpu_pod(scope, name, node, GPU, 1)?).await?;
-    }
-    for name in &names {
-        wait_pod(
-            client,
-            scope,
-            name,
-            &format!("{name} Running"),
-            Duration::from_secs(60),
-            |p| phase(p) == "Running",
-        )
-        .await?;
-        let creates = kubelet.creates_of(scope.namespace(), name)?;
-        ensure!(creates.len() == 1, "{name}: {creates:?}");
-        let (cdi, _, visible) = recorded_devices(&creates[0]);
-        ensure!(
-            cdi == [want.clone()] && visible.as_deref() == Some(uuid.as_str()),
-            "{name}: CDI devices {cdi:?}, NVIDIA_VISIBLE_DEVICES {visible:?}; want {want} and {uuid}"
-        );
-    }
+    admit_on_gpu(client, scope, kubelet, &names, &uuid).await?;
     let status = wait_status(
         client,
         node,
@@ -523,29 +542,9 @@ async fn mps(
         "the daemon was told: {commands:?}"
     );
 
-    let want = format!("gpupool.io/gpu={uuid}");
     let names: Vec<String> = (0..2).map(|i| scope.name(&format!("mps-{i}"))).collect();
-    for name in &names {
-        create_pod(client, scope, &gpu_pod(scope, name, node, GPU, 1)?).await?;
-    }
-    for name in &names {
-        wait_pod(
-            client,
-            scope,
-            name,
-            &format!("{name} Running"),
-            Duration::from_secs(60),
-            |p| phase(p) == "Running",
-        )
-        .await?;
-        let creates = kubelet.creates_of(scope.namespace(), name)?;
-        ensure!(creates.len() == 1, "{name}: {creates:?}");
-        let record = &creates[0];
-        let (cdi, _, visible) = recorded_devices(record);
-        ensure!(
-            cdi == [want.clone()] && visible.as_deref() == Some(uuid.as_str()),
-            "{name}: CDI devices {cdi:?}, NVIDIA_VISIBLE_DEVICES {visible:?}"
-        );
+    let records = admit_on_gpu(client, scope, kubelet, &names, &uuid).await?;
+    for (name, record) in names.iter().zip(&records) {
         let env = &record["env"];
         ensure!(
             env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/gpupool/mps-pipe"

@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 
 use gpupool_crds::GpuNode;
-use gpupool_crds::node::{GpuStatus, Idleness};
+use gpupool_crds::node::{GpuStatus, Idleness, share_of};
 use k8s_openapi::jiff::Timestamp;
 
 /// A (pool, namespace) pair, the labels of the accounting counters.
@@ -68,11 +68,7 @@ fn split(idleness: &Idleness, shares: &[Idleness], weight: f64, out: &mut Vec<Sh
         return;
     }
     for pod in &idleness.pods {
-        let own = shares.iter().find(|s| {
-            s.pods
-                .iter()
-                .any(|h| h.namespace == pod.namespace && h.name == pod.name)
-        });
+        let own = share_of(shares, pod);
         out.push(Share {
             namespace: pod.namespace.clone(),
             weight: weight / holders as f64,

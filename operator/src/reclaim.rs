@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use gpupool_crds::labels::{IDLE_SINCE_ANNOTATION, RECLAIM_AT_ANNOTATION};
-use gpupool_crds::node::{Activity, GpuNode, Idleness};
+use gpupool_crds::node::{Activity, GpuNode, Idleness, share_of};
 use gpupool_crds::policy::{RECLAIM_OPT_OUT_ANNOTATION, ReclaimAction, ReclaimMode, ReclaimPolicy};
 use gpupool_crds::pool::{ReclaimRecord, ReclaimStatus};
 use k8s_openapi::api::core::v1::Pod;
@@ -58,11 +58,7 @@ pub fn devices_by_pod(gn: &GpuNode) -> BTreeMap<(String, String), Vec<DeviceIdle
         let shares = &gpu.shares;
         let mut add = |i: &Idleness| {
             for p in &i.pods {
-                let own = shares.iter().find(|s| {
-                    s.pods
-                        .iter()
-                        .any(|h| h.namespace == p.namespace && h.name == p.name)
-                });
+                let own = share_of(shares, p);
                 let judged: DeviceIdleness = match (shared, own) {
                     (false, _) => i.into(),
                     (true, Some(share)) => share.into(),
@@ -1040,14 +1036,8 @@ mod tests {
         assert_eq!(held_29, 1);
     }
 
-    #[test]
-    fn mig_devices_carry_their_own_idleness() {
-        use gpupool_crds::node::{GpuNodeStatus, GpuStatus, MigDeviceStatus, PodRef};
-        let holder = |name: &str| PodRef {
-            namespace: "ml".into(),
-            name: name.into(),
-            container: None,
-        };
+    /// GpuNode `n` of pool `p` reporting `gpus`.
+    fn gpunode_with(gpus: Vec<gpupool_crds::node::GpuStatus>) -> GpuNode {
         let mut gn = GpuNode::new(
             "n",
             gpupool_crds::GpuNodeSpec {
@@ -1059,43 +1049,55 @@ mod tests {
                 utilization: Default::default(),
             },
         );
-        gn.status = Some(GpuNodeStatus {
-            gpus: vec![
-                GpuStatus {
-                    index: 0,
-                    idleness: Idleness {
-                        activity: Activity::Idle,
-                        idle_since: Some(Time(ts("2026-03-01T00:00:00Z"))),
-                        pods: vec![holder("a")],
-                    },
-                    ..Default::default()
-                },
-                GpuStatus {
-                    index: 1,
-                    mig_enabled: true,
-                    mig_devices: vec![
-                        MigDeviceStatus {
-                            idleness: Idleness {
-                                activity: Activity::Busy,
-                                idle_since: None,
-                                pods: vec![holder("b")],
-                            },
-                            ..Default::default()
-                        },
-                        MigDeviceStatus {
-                            idleness: Idleness {
-                                activity: Activity::Idle,
-                                idle_since: None,
-                                pods: vec![holder("a")],
-                            },
-                            ..Default::default()
-                        },
-                    ],
-                    ..Default::default()
-                },
-            ],
+        gn.status = Some(gpupool_crds::node::GpuNodeStatus {
+            gpus,
             ..Default::default()
         });
+        gn
+    }
+
+    #[test]
+    fn mig_devices_carry_their_own_idleness() {
+        use gpupool_crds::node::{GpuStatus, MigDeviceStatus, PodRef};
+        let holder = |name: &str| PodRef {
+            namespace: "ml".into(),
+            name: name.into(),
+            container: None,
+        };
+        let gn = gpunode_with(vec![
+            GpuStatus {
+                index: 0,
+                idleness: Idleness {
+                    activity: Activity::Idle,
+                    idle_since: Some(Time(ts("2026-03-01T00:00:00Z"))),
+                    pods: vec![holder("a")],
+                },
+                ..Default::default()
+            },
+            GpuStatus {
+                index: 1,
+                mig_enabled: true,
+                mig_devices: vec![
+                    MigDeviceStatus {
+                        idleness: Idleness {
+                            activity: Activity::Busy,
+                            idle_since: None,
+                            pods: vec![holder("b")],
+                        },
+                        ..Default::default()
+                    },
+                    MigDeviceStatus {
+                        idleness: Idleness {
+                            activity: Activity::Idle,
+                            idle_since: None,
+                            pods: vec![holder("a")],
+                        },
+                        ..Default::default()
+                    },
+                ],
+                ..Default::default()
+            },
+        ]);
         let by_pod = devices_by_pod(&gn);
         assert_eq!(by_pod[&("ml".to_owned(), "a".to_owned())].len(), 2);
         assert_eq!(
@@ -1109,7 +1111,7 @@ mod tests {
     /// on a busy GPU, and idle on an idle one.
     #[test]
     fn a_shared_gpus_tenants_are_judged_on_their_own_shares() {
-        use gpupool_crds::node::{GpuNodeStatus, GpuSharing, GpuStatus, PodRef};
+        use gpupool_crds::node::{GpuSharing, GpuStatus, PodRef};
         let holder = |name: &str| PodRef {
             namespace: "nb".into(),
             name: name.into(),
@@ -1136,24 +1138,7 @@ mod tests {
             },
             ..Default::default()
         };
-        let node = |g: GpuStatus| {
-            let mut gn = GpuNode::new(
-                "n",
-                gpupool_crds::GpuNodeSpec {
-                    sharing: Default::default(),
-                    pool: "p".into(),
-                    driver: Default::default(),
-                    cdi: Default::default(),
-                    mig: Default::default(),
-                    utilization: Default::default(),
-                },
-            );
-            gn.status = Some(GpuNodeStatus {
-                gpus: vec![g],
-                ..Default::default()
-            });
-            gn
-        };
+        let node = |g: GpuStatus| gpunode_with(vec![g]);
         let key = |n: &str| ("nb".to_owned(), n.to_owned());
         let busy_gpu = node(gpu(
             Activity::Busy,
