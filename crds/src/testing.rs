@@ -2,7 +2,10 @@
 //! bench, the e2e tests), so they agree on what a healthy node looks like. Behind the
 //! `testing` feature: only dev-dependencies enable it.
 
-use crate::node::{CdiStatus, GpuNode, GpuNodeStatus, MigState, NodeMigStatus, Verdict};
+use crate::node::{
+    Activity, CdiStatus, CheckName, CheckResult, GpuNode, GpuNodeStatus, GpuStatus, Health,
+    Idleness, MigDeviceStatus, MigState, NodeMigStatus, PodRef, Verdict,
+};
 
 /// The status a node agent reports for `gn` when all is well: 8 healthy GPUs, driver
 /// 550.54.15 with CUDA 12.4, validated, a CDI spec written, MIG `Applied` when the spec
@@ -33,4 +36,90 @@ pub fn healthy_status(gn: &GpuNode) -> GpuNodeStatus {
         },
         ..Default::default()
     }
+}
+
+/// What an agent reports for `gn` on a busy 8 × H100 node split into seven `1g.10gb` MIG
+/// devices per GPU: [`healthy_status`] with every GPU and MIG device listed (UUIDs, CDI names,
+/// PCI bus IDs), the driver checks, and `pods` (namespace, name) placed one per MIG device in
+/// order, busy. The scale bench reports it for every node.
+pub fn mig_node_status(gn: &GpuNode, pods: &[(String, String)]) -> GpuNodeStatus {
+    let node = gn.metadata.name.clone().unwrap_or_default();
+    let mut holders = pods.iter();
+    let mut status = healthy_status(gn);
+    status.checks = [
+        (
+            CheckName::NvmlInit,
+            "NVML 12.550.54.15 initialised".to_string(),
+        ),
+        (
+            CheckName::DriverVersion,
+            "driver 550.54.15 meets minimum 535.0".to_string(),
+        ),
+        (
+            CheckName::CudaVersion,
+            "driver supports CUDA 12.4, pool asks 12.2".to_string(),
+        ),
+        (
+            CheckName::DeviceNodes,
+            "/dev/nvidiactl, /dev/nvidia-uvm and 8 GPUs present".to_string(),
+        ),
+        (
+            CheckName::XidErrors,
+            "no fatal Xid since the agent started".to_string(),
+        ),
+    ]
+    .into_iter()
+    .map(|(name, message)| CheckResult {
+        name,
+        passed: true,
+        message,
+    })
+    .collect();
+    status.cdi = Some(CdiStatus {
+        path: "/var/run/cdi/gpupool-nvidia.yaml".into(),
+        digest: "sha256:5f0c7a3e9b1d24c8a6e7f90b3d2c1e4a5b6c7d8e9f0a1b2c3d4e5f60718293a4".into(),
+        devices: 8 * 8 + 1,
+    });
+    status.gpus = (0..8u32)
+        .map(|index| GpuStatus {
+            index,
+            uuid: format!("GPU-{node}-4b1e2c3d-{index:04}-a1b2c3d4e5f6"),
+            model: "NVIDIA H100 80GB HBM3".into(),
+            memory_mib: 81559,
+            pci_bus_id: format!("00000000:{:02X}:00.0", 0x18 + index * 0x10),
+            mig_enabled: true,
+            mig_devices: (0..7u32)
+                .map(|m| {
+                    let held: Vec<PodRef> = holders
+                        .next()
+                        .map(|(namespace, name)| PodRef {
+                            namespace: namespace.clone(),
+                            name: name.clone(),
+                            container: Some("trainer".into()),
+                        })
+                        .into_iter()
+                        .collect();
+                    MigDeviceStatus {
+                        uuid: format!("MIG-{node}-9c8b7a6d-{index:02}{m:02}-5e4f3a2b1c0d"),
+                        profile: "1g.10gb".into(),
+                        gpu_instance: 7 + m,
+                        compute_instance: 0,
+                        cdi_name: format!("gpupool.io/gpu={index}:{m}"),
+                        health: Health::Healthy,
+                        idleness: Idleness {
+                            activity: if held.is_empty() {
+                                Activity::Idle
+                            } else {
+                                Activity::Busy
+                            },
+                            idle_since: None,
+                            pods: held,
+                        },
+                    }
+                })
+                .collect(),
+            ..GpuStatus::default()
+        })
+        .collect();
+    status
 }

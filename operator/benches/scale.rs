@@ -21,35 +21,39 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt, stream};
-use gpupool_crds::testing::healthy_status;
+use gpupool_crds::testing::mig_node_status;
 use gpupool_crds::{GpuNode, GpuPool};
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 
 const LABEL: &str = "bench.gpupool.io/scale";
 
-/// The operator binary: `GPUPOOL_OPERATOR_BIN`, else built now (a no-op when fresh), so the
-/// bench never measures a stale binary or depends on an unrelated earlier build.
+/// The operator binary: `GPUPOOL_OPERATOR_BIN`, else a release build made now (a no-op when
+/// fresh), so the bench never measures a stale or unoptimized binary. `SCALE_DHAT=1` builds it
+/// with dhat's heap profiler, which writes `dhat-heap.json` when the operator exits.
 fn operator_binary() -> Result<PathBuf, String> {
     if let Some(bin) = std::env::var_os("GPUPOOL_OPERATOR_BIN") {
         return Ok(PathBuf::from(bin));
     }
     let manifest_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| manifest_dir.join("../target"));
+    let target = target_dir();
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut args = vec![
+        "build",
+        "--locked",
+        "--release",
+        "-p",
+        "gpupool-operator",
+        "--bin",
+        "gpupool-operator",
+    ];
+    if dhat_wanted() {
+        args.extend(["--features", "dhat-heap"]);
+    }
     let status = Command::new(cargo)
-        .args([
-            "build",
-            "--locked",
-            "-p",
-            "gpupool-operator",
-            "--bin",
-            "gpupool-operator",
-        ])
+        .args(&args)
         .current_dir(&manifest_dir)
         .env("CARGO_TARGET_DIR", &target)
         .stdin(Stdio::null())
@@ -58,12 +62,28 @@ fn operator_binary() -> Result<PathBuf, String> {
     if !status.success() {
         return Err(format!("cargo build -p gpupool-operator failed ({status})"));
     }
-    let bin = target.join("debug/gpupool-operator");
+    let bin = target.join("release/gpupool-operator");
     if !bin.is_file() {
         return Err(format!("{} was not built", bin.display()));
     }
     Ok(bin)
 }
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"))
+}
+
+/// Where a dhat build of the operator writes its heap profile.
+fn dhat_file() -> PathBuf {
+    target_dir().join("dhat-heap.json")
+}
+
+fn dhat_wanted() -> bool {
+    std::env::var("SCALE_DHAT").is_ok_and(|v| v == "1")
+}
+
 const POOL: &str = "scale-bench";
 const PORT: u16 = 19480;
 
@@ -97,6 +117,181 @@ fn node(i: u64) -> BoxResult<Node> {
     }))?)
 }
 
+/// kwok completes pods at once unless they carry this label (see `e2e/cluster`).
+const KEEP_RUNNING_LABEL: &str = "e2e.gpupool.io/keep-running";
+/// The namespace of the bench's pods.
+const NAMESPACE: &str = "scale-bench";
+
+/// Pod `k` of node `i` in generation `generation` (churn makes new generations): a training
+/// Job's pod, shaped as a Job controller and the API server's admission leave one (labels,
+/// env, volumes, a service account token), bound to its node; even `k` hold one 1g.10gb MIG device, odd ones
+/// are CPU-only sidecar-style workers, so half the pods hold GPUs.
+fn pod(i: u64, k: u64, generation: u64) -> BoxResult<Pod> {
+    let job = format!("train-{i:05}-{k}-{generation}");
+    let mut limits = json!({ "cpu": "8", "memory": "64Gi" });
+    if k % 2 == 0 {
+        limits["nvidia.com/mig-1g.10gb"] = json!("1");
+    }
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": format!("{job}-x7k2p"),
+            "namespace": NAMESPACE,
+            "labels": {
+                LABEL: "true",
+                KEEP_RUNNING_LABEL: "true",
+                "batch.kubernetes.io/job-name": job,
+                "job-name": job,
+                "batch.kubernetes.io/controller-uid": format!("0c6f3a52-9d1e-4b7a-8f21-{i:08}{k:02}{generation:02}"),
+                "app.kubernetes.io/name": "trainer",
+                "team": "research",
+            },
+            "annotations": { "batch.kubernetes.io/job-tracking": "" },
+        },
+        "spec": {
+            "nodeName": format!("scale-{i:05}"),
+            "restartPolicy": "Never",
+            "tolerations": [
+                { "key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule" },
+            ],
+            "containers": [{
+                "name": "trainer",
+                "image": "nvcr.io/nvidia/pytorch:24.10-py3",
+                "command": ["torchrun", "--nproc-per-node=1", "/workspace/train.py"],
+                "args": ["--config", "/config/run.yaml", "--checkpoint-dir", "/ckpt"],
+                "env": [
+                    { "name": "NCCL_DEBUG", "value": "WARN" },
+                    { "name": "OMP_NUM_THREADS", "value": "8" },
+                    { "name": "WANDB_PROJECT", "value": "scale-bench" },
+                    { "name": "POD_NAME", "valueFrom": { "fieldRef": { "fieldPath": "metadata.name" } } },
+                ],
+                "resources": { "limits": limits, "requests": limits },
+                "volumeMounts": [
+                    { "name": "config", "mountPath": "/config" },
+                    { "name": "ckpt", "mountPath": "/ckpt" },
+                ],
+            }],
+            "volumes": [
+                { "name": "config", "configMap": { "name": "trainer-config" } },
+                { "name": "ckpt", "emptyDir": {} },
+            ],
+        },
+    }))?)
+}
+
+/// Creates `pods` with 32 requests in flight; an existing pod counts as created. The first
+/// requests of a new namespace may meet its default ServiceAccount missing: retried.
+async fn create_pods(api: &Api<Pod>, pods: Vec<Pod>) -> BoxResult<()> {
+    stream::iter(pods)
+        .map(|p| {
+            let api = api.clone();
+            async move {
+                for attempt in 0..50 {
+                    match api.create(&PostParams::default(), &p).await {
+                        Ok(_) => return Ok(()),
+                        Err(kube::Error::Api(s)) if s.code == 409 => return Ok(()),
+                        Err(kube::Error::Api(s))
+                            if s.message.contains("serviceaccount") && attempt < 49 =>
+                        {
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                        Err(e) => {
+                            return Err(Box::new(e) as Box<dyn std::error::Error + Send + Sync>);
+                        }
+                    }
+                }
+                Ok(())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(())
+}
+
+/// Replaces `per_sec` pods a second for `secs` seconds, cycling over the nodes: each step
+/// deletes one generation's pod and creates the next generation's in its place. Returns the
+/// pods replaced.
+async fn churn(
+    api: &Api<Pod>,
+    nodes: u64,
+    per_node: u64,
+    per_sec: u64,
+    secs: u64,
+) -> BoxResult<u64> {
+    let slots = nodes * per_node;
+    let mut next = 0u64;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    for _ in 0..secs {
+        tick.tick().await;
+        let batch: Vec<u64> = (next..next + per_sec.min(slots)).collect();
+        next += batch.len() as u64;
+        let mut fresh = Vec::with_capacity(batch.len());
+        for &slot in &batch {
+            let (i, k) = ((slot % slots) / per_node, (slot % slots) % per_node);
+            let generation = slot / slots;
+            let old = pod(i, k, generation)?.name_any();
+            let _ = api
+                .delete(&old, &DeleteParams::default().grace_period(0))
+                .await;
+            fresh.push(pod(i, k, generation + 1)?);
+        }
+        create_pods(api, fresh).await?;
+    }
+    Ok(next)
+}
+
+/// `q` (0..1) of a Prometheus histogram read from the operator's /metrics, interpolated
+/// within its bucket as Prometheus' `histogram_quantile` does.
+async fn histogram_quantile(name: &str, q: f64) -> BoxResult<Option<f64>> {
+    let out = Command::new("curl")
+        .args(["-s", &format!("http://127.0.0.1:{PORT}/metrics")])
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut buckets: Vec<(f64, f64)> = text
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}_bucket")))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, l.rsplit(' ').next()?.parse().ok()?))
+        })
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let Some(&(_, total)) = buckets.last() else {
+        return Ok(None);
+    };
+    if total == 0.0 {
+        return Ok(None);
+    }
+    let rank = q * total;
+    let (mut lower, mut below) = (0.0, 0.0);
+    for (le, count) in buckets {
+        if count >= rank {
+            if le.is_infinite() {
+                return Ok(Some(lower));
+            }
+            let within = if count > below {
+                (rank - below) / (count - below)
+            } else {
+                1.0
+            };
+            return Ok(Some(lower + (le - lower) * within));
+        }
+        (lower, below) = (le, count);
+    }
+    Ok(None)
+}
+
+fn vm_rss_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmRSS:")
+}
+
 async fn metric_sum(name: &str) -> BoxResult<f64> {
     let out = Command::new("curl")
         .args(["-s", &format!("http://127.0.0.1:{PORT}/metrics")])
@@ -110,11 +305,16 @@ async fn metric_sum(name: &str) -> BoxResult<f64> {
 }
 
 fn vm_hwm_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmHWM:")
+}
+
+/// A `kB` field of /proc/<pid>/status; 0 when the process or the field is gone.
+fn status_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
         })
         .unwrap_or(0)
@@ -128,9 +328,21 @@ fn ready(pool: &GpuPool) -> bool {
     })
 }
 
-fn status_for(gn: &GpuNode) -> serde_json::Value {
+/// What the node's agent reports: 8 GPUs × seven 1g.10gb MIG devices, the node's GPU pods on
+/// them (`per_node` pods, every other one holding a device).
+fn status_for(gn: &GpuNode, per_node: u64) -> serde_json::Value {
     // The bench pool's layout fits every node, so the fixture reports MIG applied.
-    let status = healthy_status(gn);
+    let i: u64 = gn
+        .name_any()
+        .trim_start_matches("scale-")
+        .parse()
+        .unwrap_or_default();
+    let holders: Vec<(String, String)> = (0..per_node)
+        .filter(|k| k % 2 == 0)
+        .filter_map(|k| pod(i, k, 0).ok())
+        .map(|p| (NAMESPACE.to_string(), p.name_any()))
+        .collect();
+    let status = mig_node_status(gn, &holders);
     json!({ "apiVersion": "gpupool.io/v1alpha1", "kind": "GpuNode", "status": status })
 }
 
@@ -171,6 +383,8 @@ async fn main() -> BoxResult<()> {
     let n = env_num("SCALE_NODES", 1000);
     let steady = env_num("SCALE_STEADY_SECS", 60);
     let timeout = Duration::from_secs(env_num("SCALE_TIMEOUT_SECS", 600));
+    let per_node = env_num("SCALE_PODS_PER_NODE", 8);
+    let churn_per_sec = env_num("SCALE_CHURN_PER_SEC", 10);
     let client = Client::try_default().await?;
     let nodes: Api<Node> = Api::all(client.clone());
     let pools: Api<GpuPool> = Api::all(client.clone());
@@ -196,6 +410,26 @@ async fn main() -> BoxResult<()> {
         .try_collect::<Vec<()>>()
         .await?;
 
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns = serde_json::from_value(json!({ "metadata": { "name": NAMESPACE } }))?;
+    match namespaces.create(&PostParams::default(), &ns).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => return Err(e.into()),
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let started = Instant::now();
+    let all: Vec<Pod> = (0..n)
+        .flat_map(|i| (0..per_node).map(move |k| (i, k)))
+        .map(|(i, k)| pod(i, k, 0))
+        .collect::<BoxResult<_>>()?;
+    println!(
+        "creating {} pods ({per_node} per node, half holding a GPU)",
+        all.len()
+    );
+    create_pods(&pods, all).await?;
+    println!("pods created in {:.1} s", started.elapsed().as_secs_f64());
+
     let bin = operator_binary()?;
     let mut op = Command::new(&bin)
         .args([
@@ -208,6 +442,7 @@ async fn main() -> BoxResult<()> {
             "--log",
             "warn",
         ])
+        .env("GPUPOOL_DHAT_FILE", dhat_file())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .spawn()
@@ -255,7 +490,7 @@ async fn main() -> BoxResult<()> {
                     api.patch_status(
                         &g.name_any(),
                         &PatchParams::apply("scale-fleet").force(),
-                        &Patch::Apply(&status_for(&g)),
+                        &Patch::Apply(&status_for(&g, per_node)),
                     )
                     .await
                 }
@@ -277,10 +512,14 @@ async fn main() -> BoxResult<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let writes_at_ready = metric_sum("gpupool_api_writes_total").await?;
-    tokio::time::sleep(Duration::from_secs(steady)).await;
+    // Steady state: pods keep coming and going.
+    let replaced = churn(&pods, n, per_node, churn_per_sec, steady).await?;
     let writes_after = metric_sum("gpupool_api_writes_total").await?;
     let reconciles = metric_sum("gpupool_reconciles_total").await?;
     let rss_mib = vm_hwm_kib(pid) as f64 / 1024.0;
+    let steady_mib = vm_rss_kib(pid) as f64 / 1024.0;
+    let p50 = histogram_quantile("gpupool_reconcile_duration_seconds", 0.5).await?;
+    let p99 = histogram_quantile("gpupool_reconcile_duration_seconds", 0.99).await?;
 
     println!(
         "nodes: {n} (8 GPUs each), GpuNodes reported: {}",
@@ -308,7 +547,19 @@ async fn main() -> BoxResult<()> {
         writes_after - writes_at_ready,
         (writes_after - writes_at_ready) * 60.0 / steady as f64
     );
-    println!("operator peak RSS (VmHWM): {rss_mib:.1} MiB");
+    println!(
+        "pods: {} ({per_node} per node), replaced in steady state: {replaced}",
+        n * per_node
+    );
+    let ms = |q: Option<f64>| q.map_or("-".to_string(), |s| format!("{:.1} ms", s * 1000.0));
+    println!(
+        "reconcile duration p50: {}, p99: {} (histogram_quantile)",
+        ms(p50),
+        ms(p99)
+    );
+    println!(
+        "operator peak RSS (VmHWM): {rss_mib:.1} MiB, steady RSS (VmRSS at the end): {steady_mib:.1} MiB"
+    );
 
     // Clean up: the pool (the operator finalizes it; given as long again as the run had),
     // then the nodes. A pool the operator could not finalize in time is cleared by hand.
@@ -317,9 +568,28 @@ async fn main() -> BoxResult<()> {
     while pools.get_opt(POOL).await?.is_some() && Instant::now() < cleanup_deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let _ = op.kill();
+    // SIGTERM lets the operator shut down cleanly (and a dhat build write its profile).
+    let _ = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
     let _ = op.wait();
+    if dhat_wanted() {
+        println!("heap profile: {}", dhat_file().display());
+    }
     clear_stale_pool(&pools, &gpunodes).await?;
+    // One delete-collection may stop short on tens of thousands of pods: repeat until none.
+    while !pods
+        .list_metadata(&ListParams::default().limit(1))
+        .await?
+        .items
+        .is_empty()
+    {
+        pods.delete_collection(
+            &DeleteParams::default().grace_period(0),
+            &ListParams::default(),
+        )
+        .await?;
+    }
     nodes
         .delete_collection(
             &DeleteParams::default(),

@@ -26,6 +26,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use crate::cache::{keep_pod, trim_gpunode, trim_node, trim_pod};
 use crate::context::{Context, FIELD_MANAGER, Settings};
 use crate::error::{Error, Failures, Result};
 use crate::liveness::Liveness;
@@ -635,52 +636,11 @@ async fn cleanup(pool: &GpuPool, ctx: &Context) -> Result<Action> {
     Ok(Action::await_change())
 }
 
-/// Strips what no reconcile reads, so the stores stay small at scale.
-fn trim_node(node: &mut Node) {
-    node.metadata.managed_fields = None;
-    node.metadata.annotations = None;
-    if let Some(status) = node.status.as_mut() {
-        let ready = status
-            .conditions
-            .take()
-            .map(|cs| cs.into_iter().filter(|c| c.type_ == "Ready").collect());
-        *status = Default::default();
-        status.conditions = ready;
-    }
-}
-
-fn trim_pod(pod: &mut Pod) {
-    pod.metadata.managed_fields = None;
-    if let Some(spec) = pod.spec.as_mut() {
-        spec.volumes = None;
-        spec.init_containers = None;
-        for c in &mut spec.containers {
-            c.env = None;
-            c.volume_mounts = None;
-            c.command = None;
-            c.args = None;
-            c.ports = None;
-            c.liveness_probe = None;
-            c.readiness_probe = None;
-            c.startup_probe = None;
-        }
-    }
-    if let Some(status) = pod.status.as_mut() {
-        status.container_statuses = None;
-        status.init_container_statuses = None;
-        status.conditions = None;
-    }
-}
-
 /// Logs a failed list or watch of `kind`: the watcher then starts over with a fresh list (an
 /// expired resource version, 410 Gone, included) after a backoff, and its cache stays as it
 /// was until that list arrives.
 fn watch_failed(kind: &'static str) -> impl Fn(&watcher::Error) {
     move |e| info!(kind, error = %e, "watch failed; resuming with a fresh list")
-}
-
-fn trim_gpunode(gn: &mut GpuNode) {
-    gn.metadata.managed_fields = None;
 }
 
 /// What about a node concerns a pool: labels (membership, GPU model), taints, readiness.
@@ -777,6 +737,7 @@ pub async fn run(
             cfg.clone()
                 .fields("status.phase!=Succeeded,status.phase!=Failed"),
         )
+        .try_filter(|ev| future::ready(keep_pod(ev)))
         .modify(trim_pod),
     )
     .default_backoff()

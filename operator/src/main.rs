@@ -19,6 +19,10 @@ use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
+#[cfg(feature = "dhat-heap")]
+#[global_allocator]
+static ALLOC: dhat::Alloc = dhat::Alloc;
+
 /// gpupool operator: reconciles GpuPools, aggregates GpuNode status, reclaims idle GPU pods.
 #[derive(Debug, Parser)]
 #[command(version, about)]
@@ -166,6 +170,11 @@ fn on_signal(token: CancellationToken) -> tokio::task::JoinHandle<()> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
+    // Heap profile of the whole run, written when main returns (after SIGTERM).
+    #[cfg(feature = "dhat-heap")]
+    let _profiler = dhat::Profiler::builder()
+        .file_name(std::env::var_os("GPUPOOL_DHAT_FILE").unwrap_or_else(|| "dhat-heap.json".into()))
+        .build();
     init_logs(&args)?;
     // kube uses ring; when this binary is built together with the node agent (one workspace
     // build), feature unification also compiles rustls's aws-lc-rs provider in, and rustls then

@@ -1,0 +1,333 @@
+//! What the operator's caches keep of each object (pure). At 5,000 nodes the caches are most
+//! of the operator's memory, so each watched kind is cut, as it arrives, to the fields some
+//! decision reads; everything else is dropped before it reaches a store.
+//!
+//! - **Pods**: only pods that ask for GPUs are kept at all ([`keep_pod`]): every decision about
+//!   pods (drain, reclaim, pending demand, Job siblings, warnings) concerns GPU pods, and most
+//!   pods of a GPU cluster hold none. Of those, [`trim_pod`] keeps identity, labels, the
+//!   `gpupool.io/` annotations, owners, node, containers' resources, priority class, phase and
+//!   start time; the scheduling constraints only while the pod is unbound.
+//! - **Nodes**: labels, taints and the Ready condition ([`trim_node`]).
+//! - **GpuNodes**: the agent's status less the identifiers only the node itself uses: MIG device
+//!   UUIDs and CDI names, PCI bus IDs, passed checks' messages ([`trim_gpunode`]). The spec is
+//!   kept whole: it is what the operator compares its desired state with.
+//!
+//! The operator never writes an object back from these copies: its writes are server-side
+//! applies of its own fields and merge patches of annotations.
+
+use gpupool_crds::GpuNode;
+use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, PodStatus};
+use kube::api::ObjectMeta;
+use kube::runtime::watcher;
+
+use crate::demand::requests_gpu;
+
+/// Annotations on pods the operator reads (reclaim opt-out, its own warnings, dry runs).
+const POD_ANNOTATION_PREFIX: &str = "gpupool.io/";
+
+/// Whether a watch event reaches the pod cache: GPU pods, and every deletion (deleting what the
+/// cache never held is a no-op). A pod's container resources cannot change to or from a GPU
+/// request, so a pod is either always kept or never.
+pub fn keep_pod(event: &watcher::Event<Pod>) -> bool {
+    match event {
+        watcher::Event::Apply(p) | watcher::Event::InitApply(p) => requests_gpu(p),
+        watcher::Event::Delete(_) | watcher::Event::Init | watcher::Event::InitDone => true,
+    }
+}
+
+/// Cuts a pod to the fields the operator's decisions read (see the module docs).
+pub fn trim_pod(pod: &mut Pod) {
+    let meta = std::mem::take(&mut pod.metadata);
+    pod.metadata = ObjectMeta {
+        name: meta.name,
+        namespace: meta.namespace,
+        uid: meta.uid,
+        resource_version: meta.resource_version,
+        creation_timestamp: meta.creation_timestamp,
+        deletion_timestamp: meta.deletion_timestamp,
+        labels: meta.labels,
+        annotations: meta
+            .annotations
+            .map(|a| {
+                a.into_iter()
+                    .filter(|(k, _)| k.starts_with(POD_ANNOTATION_PREFIX))
+                    .collect::<std::collections::BTreeMap<_, _>>()
+            })
+            .filter(|a| !a.is_empty()),
+        owner_references: meta.owner_references,
+        ..ObjectMeta::default()
+    };
+    if let Some(spec) = pod.spec.take() {
+        let bound = spec.node_name.is_some();
+        pod.spec = Some(PodSpec {
+            containers: spec
+                .containers
+                .into_iter()
+                .map(|c| Container {
+                    name: c.name,
+                    resources: c.resources,
+                    ..Container::default()
+                })
+                .collect(),
+            node_name: spec.node_name,
+            priority_class_name: spec.priority_class_name,
+            // Read only for pods still waiting for a node (pending demand).
+            node_selector: spec.node_selector.filter(|_| !bound),
+            affinity: spec.affinity.filter(|_| !bound),
+            tolerations: spec.tolerations.filter(|_| !bound),
+            ..PodSpec::default()
+        });
+    }
+    if let Some(status) = pod.status.take() {
+        pod.status = Some(PodStatus {
+            phase: status.phase,
+            start_time: status.start_time,
+            ..PodStatus::default()
+        });
+    }
+}
+
+/// Cuts a Node to its labels, taints and Ready condition.
+pub fn trim_node(node: &mut Node) {
+    node.metadata.managed_fields = None;
+    node.metadata.annotations = None;
+    if let Some(spec) = node.spec.as_mut() {
+        spec.pod_cidr = None;
+        spec.pod_cidrs = None;
+        spec.provider_id = None;
+        spec.config_source = None;
+    }
+    if let Some(status) = node.status.as_mut() {
+        let ready = status
+            .conditions
+            .take()
+            .map(|cs| cs.into_iter().filter(|c| c.type_ == "Ready").collect());
+        *status = Default::default();
+        status.conditions = ready;
+    }
+}
+
+/// Drops from a GpuNode what only its node uses (see the module docs).
+pub fn trim_gpunode(gn: &mut GpuNode) {
+    gn.metadata.managed_fields = None;
+    let Some(status) = gn.status.as_mut() else {
+        return;
+    };
+    for check in status.checks.iter_mut().filter(|c| c.passed) {
+        check.message = String::new();
+    }
+    if let Some(cdi) = status.cdi.as_mut() {
+        cdi.digest = String::new();
+    }
+    for gpu in &mut status.gpus {
+        gpu.pci_bus_id = String::new();
+        for m in &mut gpu.mig_devices {
+            m.uuid = String::new();
+            m.cdi_name = String::new();
+        }
+        gpu.mig_devices.shrink_to_fit();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use gpupool_crds::testing::mig_node_status;
+    use k8s_openapi::api::core::v1::{
+        Affinity, EnvVar, PodCondition, ResourceRequirements, Toleration, Volume,
+    };
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
+    use k8s_openapi::jiff::Timestamp;
+
+    use super::*;
+    use crate::reclaim::{job_owner, pod_start, warning};
+
+    fn pod(resource: &str, node: Option<&str>) -> Pod {
+        let mut limits = BTreeMap::new();
+        limits.insert(resource.to_string(), Quantity("1".into()));
+        Pod {
+            metadata: ObjectMeta {
+                name: Some("trainer-0".into()),
+                namespace: Some("ml".into()),
+                uid: Some("u-1".into()),
+                resource_version: Some("42".into()),
+                creation_timestamp: Some(Time(Timestamp::from_second(1_000).unwrap())),
+                labels: Some(BTreeMap::from([("team".into(), "research".into())])),
+                annotations: Some(BTreeMap::from([
+                    (
+                        "gpupool.io/idle-since".into(),
+                        "2026-12-01T00:00:00Z".into(),
+                    ),
+                    (
+                        "gpupool.io/reclaim-at".into(),
+                        "2026-12-01T01:00:00Z".into(),
+                    ),
+                    (
+                        "kubectl.kubernetes.io/last-applied-configuration".into(),
+                        "x".repeat(4096),
+                    ),
+                ])),
+                owner_references: Some(vec![OwnerReference {
+                    api_version: "batch/v1".into(),
+                    kind: "Job".into(),
+                    name: "trainer".into(),
+                    uid: "j-1".into(),
+                    ..OwnerReference::default()
+                }]),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                node_name: node.map(str::to_string),
+                priority_class_name: Some("batch-low".into()),
+                node_selector: Some(BTreeMap::from([("gpu".into(), "h100".into())])),
+                affinity: Some(Affinity::default()),
+                tolerations: Some(vec![Toleration {
+                    key: Some("nvidia.com/gpu".into()),
+                    operator: Some("Exists".into()),
+                    ..Toleration::default()
+                }]),
+                volumes: Some(vec![Volume {
+                    name: "data".into(),
+                    ..Volume::default()
+                }]),
+                containers: vec![Container {
+                    name: "main".into(),
+                    image: Some("nvcr.io/nvidia/pytorch:24.10-py3".into()),
+                    env: Some(vec![EnvVar {
+                        name: "A".into(),
+                        value: Some("b".into()),
+                        ..EnvVar::default()
+                    }]),
+                    resources: Some(ResourceRequirements {
+                        limits: Some(limits),
+                        ..ResourceRequirements::default()
+                    }),
+                    ..Container::default()
+                }],
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some("Running".into()),
+                start_time: Some(Time(Timestamp::from_second(2_000).unwrap())),
+                pod_ip: Some("10.0.0.1".into()),
+                conditions: Some(vec![PodCondition {
+                    type_: "Ready".into(),
+                    status: "True".into(),
+                    ..PodCondition::default()
+                }]),
+                ..PodStatus::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn only_gpu_pods_and_every_deletion_reach_the_cache() {
+        let gpu = pod("nvidia.com/gpu", Some("n1"));
+        let mig = pod("nvidia.com/mig-1g.10gb", Some("n1"));
+        let cpu = pod("cpu", Some("n1"));
+        assert!(keep_pod(&watcher::Event::Apply(gpu.clone())));
+        assert!(keep_pod(&watcher::Event::InitApply(mig)));
+        assert!(!keep_pod(&watcher::Event::Apply(cpu.clone())));
+        assert!(!keep_pod(&watcher::Event::InitApply(cpu.clone())));
+        assert!(keep_pod(&watcher::Event::Delete(cpu)));
+        assert!(keep_pod(&watcher::Event::InitDone));
+    }
+
+    #[test]
+    fn a_trimmed_bound_pod_answers_every_question_as_before() {
+        let full = pod("nvidia.com/gpu", Some("n1"));
+        let mut trimmed = full.clone();
+        trim_pod(&mut trimmed);
+        assert!(requests_gpu(&trimmed));
+        assert_eq!(pod_start(&trimmed), pod_start(&full));
+        assert_eq!(job_owner(&trimmed), Some("trainer".into()));
+        assert_eq!(warning(&trimmed), warning(&full));
+        assert!(warning(&trimmed).is_some());
+        assert_eq!(trimmed.metadata.labels, full.metadata.labels);
+        assert_eq!(trimmed.metadata.uid.as_deref(), Some("u-1"));
+        assert_eq!(trimmed.metadata.resource_version.as_deref(), Some("42"));
+        let spec = trimmed.spec.as_ref().unwrap();
+        assert_eq!(spec.node_name.as_deref(), Some("n1"));
+        assert_eq!(spec.priority_class_name.as_deref(), Some("batch-low"));
+        assert_eq!(
+            trimmed.status.as_ref().unwrap().phase.as_deref(),
+            Some("Running")
+        );
+        // What no decision reads is gone.
+        let annotations = trimmed.metadata.annotations.as_ref().unwrap();
+        assert_eq!(annotations.len(), 2, "{annotations:?}");
+        assert!(spec.volumes.is_none() && spec.containers[0].env.is_none());
+        assert!(spec.containers[0].image.is_none());
+        assert!(spec.tolerations.is_none() && spec.node_selector.is_none());
+        assert!(trimmed.status.as_ref().unwrap().pod_ip.is_none());
+        // Serialized, the copy is a fraction of the pod.
+        let size = |p: &Pod| serde_json::to_vec(p).unwrap().len();
+        assert!(
+            size(&trimmed) * 4 < size(&full),
+            "{} vs {}",
+            size(&trimmed),
+            size(&full)
+        );
+    }
+
+    #[test]
+    fn an_unbound_pod_keeps_what_pending_demand_reads() {
+        let mut trimmed = pod("nvidia.com/gpu", None);
+        trim_pod(&mut trimmed);
+        let spec = trimmed.spec.as_ref().unwrap();
+        assert!(spec.node_selector.is_some());
+        assert!(spec.affinity.is_some());
+        assert_eq!(spec.tolerations.as_ref().map(Vec::len), Some(1));
+    }
+
+    #[test]
+    fn a_pod_without_gpupool_annotations_keeps_none() {
+        let mut p = pod("nvidia.com/gpu", Some("n1"));
+        p.metadata.annotations = Some(BTreeMap::from([("a".into(), "b".into())]));
+        trim_pod(&mut p);
+        assert_eq!(p.metadata.annotations, None);
+    }
+
+    #[test]
+    fn a_trimmed_gpunode_keeps_what_the_pool_reads() {
+        let mut gn = GpuNode::new(
+            "n1",
+            gpupool_crds::GpuNodeSpec {
+                pool: "p".into(),
+                driver: Default::default(),
+                cdi: Default::default(),
+                mig: Default::default(),
+                utilization: Default::default(),
+                sharing: Default::default(),
+            },
+        );
+        let mut status = mig_node_status(&gn, &[("ml".into(), "trainer-0".into())]);
+        status.checks[0].passed = false;
+        status.checks[0].message = "driver 535 is older than 550".into();
+        gn.status = Some(status);
+        let full = gn.clone();
+        trim_gpunode(&mut gn);
+        let (a, b) = (gn.status.as_ref().unwrap(), full.status.as_ref().unwrap());
+        assert_eq!(a.checks[0].message, "driver 535 is older than 550");
+        assert_eq!(a.healthy_gpus, b.healthy_gpus);
+        assert_eq!(a.mig, b.mig);
+        assert_eq!(
+            a.checks[1].message, "",
+            "a passed check's message is dropped"
+        );
+        assert_eq!(a.gpus[0].mig_devices[0].idleness.pods.len(), 1);
+        for (g, f) in a.gpus.iter().zip(&b.gpus) {
+            assert_eq!((&g.uuid, &g.model, g.health), (&f.uuid, &f.model, f.health));
+            assert_eq!(g.idleness, f.idleness);
+            assert_eq!(g.mig_devices.len(), f.mig_devices.len());
+            for (m, n) in g.mig_devices.iter().zip(&f.mig_devices) {
+                assert_eq!((&m.profile, m.health), (&n.profile, n.health));
+                assert_eq!(m.idleness, n.idleness);
+                assert!(m.uuid.is_empty() && m.cdi_name.is_empty());
+            }
+        }
+        assert_eq!(gn.spec, full.spec);
+    }
+}
