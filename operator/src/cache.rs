@@ -2,25 +2,41 @@
 //! of the operator's memory, so each watched kind is cut, as it arrives, to the fields some
 //! decision reads; everything else is dropped before it reaches a store.
 //!
-//! - **Pods**: only pods that ask for GPUs are kept at all ([`keep_pod`]): every decision about
-//!   pods (drain, reclaim, pending demand, Job siblings, warnings) concerns GPU pods, and most
-//!   pods of a GPU cluster hold none. Of those, [`trim_pod`] keeps identity, labels, the
-//!   `gpupool.io/` annotations, owners, node, containers' resources, priority class, phase and
-//!   start time; the scheduling constraints only while the pod is unbound.
+//! - **Pods** ([`CachedPod`]): only pods that ask for GPUs are kept at all ([`keep_pod`]):
+//!   every decision about pods (drain, reclaim, pending demand, Job siblings, warnings)
+//!   concerns GPU pods, and most pods of a GPU cluster hold none. Of those, [`trim_pod`] keeps
+//!   identity, labels, the `gpupool.io/` annotations, owners, node, containers' GPU requests,
+//!   priority class, phase and start time; the scheduling constraints only while the pod is
+//!   unbound. A cached pod is stored flat, not as a `Pod` (whose empty spec, status and
+//!   container structs alone take about 4.5 KiB), and is unfolded with [`CachedPod::to_pod`]
+//!   only for the pods a decision looks at.
 //! - **Nodes**: labels, taints and the Ready condition ([`trim_node`]).
-//! - **GpuNodes**: the agent's status less the identifiers only the node itself uses: MIG device
-//!   UUIDs and CDI names, PCI bus IDs, passed checks' messages ([`trim_gpunode`]). The spec is
-//!   kept whole: it is what the operator compares its desired state with.
+//! - **GpuNodes** ([`trim_gpunode`]): the agent's status less what only the node itself uses:
+//!   PCI bus IDs, MIG device UUIDs and CDI names, a healthy GPU's UUID (the pool names a GPU
+//!   by UUID only when it is unhealthy), passed checks' messages, and the MIG devices no pod
+//!   holds, and the healthy GPUs nothing holds: the operator reads a GPU or MIG device only
+//!   for its holders (reclaim, drain, GPU-time accounting) or, unhealthy, to name it; GPU
+//!   counts come from the agent's totals. The spec is kept whole: it is
+//!   what the operator compares its desired state with.
 //!
 //! The operator never writes an object back from these copies: its writes are server-side
 //! applies of its own fields and merge patches of annotations.
 
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
 use gpupool_crds::GpuNode;
-use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, PodStatus};
+use gpupool_crds::node::Health;
+use k8s_openapi::api::core::v1::{
+    Affinity, Container, Node, Pod, PodSpec, PodStatus, ResourceRequirements, Toleration,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::ObjectMeta;
 use kube::runtime::watcher;
+use serde::Deserialize;
 
-use crate::demand::requests_gpu;
+use crate::demand::is_gpu_resource;
 
 /// Annotations on pods the operator reads (reclaim opt-out, its own warnings, dry runs).
 const POD_ANNOTATION_PREFIX: &str = "gpupool.io/";
@@ -28,9 +44,9 @@ const POD_ANNOTATION_PREFIX: &str = "gpupool.io/";
 /// Whether a watch event reaches the pod cache: GPU pods, and every deletion (deleting what the
 /// cache never held is a no-op). A pod's container resources cannot change to or from a GPU
 /// request, so a pod is either always kept or never.
-pub fn keep_pod(event: &watcher::Event<Pod>) -> bool {
+pub fn keep_pod(event: &watcher::Event<CachedPod>) -> bool {
     match event {
-        watcher::Event::Apply(p) | watcher::Event::InitApply(p) => requests_gpu(p),
+        watcher::Event::Apply(p) | watcher::Event::InitApply(p) => p.requests_gpu(),
         watcher::Event::Delete(_) | watcher::Event::Init | watcher::Event::InitDone => true,
     }
 }
@@ -65,7 +81,7 @@ pub fn trim_pod(pod: &mut Pod) {
                 .into_iter()
                 .map(|c| Container {
                     name: c.name,
-                    resources: c.resources,
+                    resources: c.resources.map(gpu_resources_only),
                     ..Container::default()
                 })
                 .collect(),
@@ -84,6 +100,157 @@ pub fn trim_pod(pod: &mut Pod) {
             start_time: status.start_time,
             ..PodStatus::default()
         });
+    }
+}
+
+/// A container's resources cut to the GPU ones (the only ones a decision reads).
+fn gpu_resources_only(r: ResourceRequirements) -> ResourceRequirements {
+    let gpu = |m: Option<BTreeMap<String, Quantity>>| {
+        m.map(|m| {
+            m.into_iter()
+                .filter(|(k, _)| is_gpu_resource(k))
+                .collect::<BTreeMap<_, _>>()
+        })
+        .filter(|m| !m.is_empty())
+    };
+    ResourceRequirements {
+        limits: gpu(r.limits),
+        requests: gpu(r.requests),
+        claims: None,
+    }
+}
+
+/// What the operator keeps of a pod: [`trim_pod`]'s cut, stored flat. The pod watch
+/// deserializes into it (a `Pod` first, folded at once), so a pod costs the cache its metadata
+/// and a few strings.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(from = "Pod")]
+pub struct CachedPod {
+    /// The pod's metadata, trimmed.
+    pub metadata: ObjectMeta,
+    spec: Option<Box<CachedSpec>>,
+    phase: Option<String>,
+    start_time: Option<Time>,
+    has_status: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+struct CachedSpec {
+    node_name: Option<String>,
+    priority_class_name: Option<String>,
+    /// Each container's name and GPU requests.
+    containers: Vec<(String, Option<ResourceRequirements>)>,
+    node_selector: Option<BTreeMap<String, String>>,
+    affinity: Option<Affinity>,
+    tolerations: Option<Vec<Toleration>>,
+}
+
+impl From<Pod> for CachedPod {
+    fn from(mut pod: Pod) -> Self {
+        trim_pod(&mut pod);
+        let spec = pod.spec.map(|s| {
+            Box::new(CachedSpec {
+                node_name: s.node_name,
+                priority_class_name: s.priority_class_name,
+                containers: s
+                    .containers
+                    .into_iter()
+                    .map(|c| (c.name, c.resources))
+                    .collect(),
+                node_selector: s.node_selector,
+                affinity: s.affinity,
+                tolerations: s.tolerations,
+            })
+        });
+        let has_status = pod.status.is_some();
+        let status = pod.status.unwrap_or_default();
+        CachedPod {
+            metadata: pod.metadata,
+            spec,
+            phase: status.phase,
+            start_time: status.start_time,
+            has_status,
+        }
+    }
+}
+
+impl CachedPod {
+    /// The pod as [`trim_pod`] leaves it, for the decisions that read pods.
+    pub fn to_pod(&self) -> Pod {
+        Pod {
+            metadata: self.metadata.clone(),
+            spec: self.spec.as_deref().map(|s| PodSpec {
+                node_name: s.node_name.clone(),
+                priority_class_name: s.priority_class_name.clone(),
+                containers: s
+                    .containers
+                    .iter()
+                    .map(|(name, resources)| Container {
+                        name: name.clone(),
+                        resources: resources.clone(),
+                        ..Container::default()
+                    })
+                    .collect(),
+                node_selector: s.node_selector.clone(),
+                affinity: s.affinity.clone(),
+                tolerations: s.tolerations.clone(),
+                ..PodSpec::default()
+            }),
+            status: self.has_status.then(|| PodStatus {
+                phase: self.phase.clone(),
+                start_time: self.start_time.clone(),
+                ..PodStatus::default()
+            }),
+        }
+    }
+
+    /// The node the pod is bound to.
+    pub fn node_name(&self) -> Option<&str> {
+        self.spec.as_deref().and_then(|s| s.node_name.as_deref())
+    }
+
+    /// The pod's phase.
+    pub fn phase(&self) -> Option<&str> {
+        self.phase.as_deref()
+    }
+
+    /// Whether a container asks for GPUs ([`crate::demand::requests_gpu`] of the pod).
+    pub fn requests_gpu(&self) -> bool {
+        self.spec.as_deref().is_some_and(|s| {
+            s.containers.iter().any(|(_, r)| {
+                r.as_ref().is_some_and(|r| {
+                    r.limits
+                        .iter()
+                        .chain(r.requests.iter())
+                        .flat_map(|m| m.keys())
+                        .any(|k| is_gpu_resource(k))
+                })
+            })
+        })
+    }
+}
+
+impl kube::Resource for CachedPod {
+    type DynamicType = ();
+    type Scope = k8s_openapi::NamespaceResourceScope;
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        <Pod as k8s_openapi::Resource>::KIND.into()
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        <Pod as k8s_openapi::Resource>::GROUP.into()
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        <Pod as k8s_openapi::Resource>::VERSION.into()
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        <Pod as k8s_openapi::Resource>::URL_PATH_SEGMENT.into()
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
     }
 }
 
@@ -121,12 +288,24 @@ pub fn trim_gpunode(gn: &mut GpuNode) {
     }
     for gpu in &mut status.gpus {
         gpu.pci_bus_id = String::new();
+        if gpu.health == Health::Healthy {
+            gpu.uuid = String::new();
+        }
+        gpu.mig_devices.retain(|m| !m.idleness.pods.is_empty());
         for m in &mut gpu.mig_devices {
             m.uuid = String::new();
             m.cdi_name = String::new();
         }
         gpu.mig_devices.shrink_to_fit();
     }
+    // A healthy GPU that nothing holds, whole or in part, tells no decision anything.
+    status.gpus.retain(|g| {
+        g.health == Health::Unhealthy
+            || !g.idleness.pods.is_empty()
+            || !g.mig_devices.is_empty()
+            || g.shares.iter().any(|s| !s.pods.is_empty())
+    });
+    status.gpus.shrink_to_fit();
 }
 
 #[cfg(test)]
@@ -142,11 +321,13 @@ mod tests {
     use k8s_openapi::jiff::Timestamp;
 
     use super::*;
+    use crate::demand::requests_gpu;
     use crate::reclaim::{job_owner, pod_start, warning};
 
     fn pod(resource: &str, node: Option<&str>) -> Pod {
         let mut limits = BTreeMap::new();
         limits.insert(resource.to_string(), Quantity("1".into()));
+        limits.insert("memory".to_string(), Quantity("64Gi".into()));
         Pod {
             metadata: ObjectMeta {
                 name: Some("trainer-0".into()),
@@ -224,15 +405,34 @@ mod tests {
 
     #[test]
     fn only_gpu_pods_and_every_deletion_reach_the_cache() {
-        let gpu = pod("nvidia.com/gpu", Some("n1"));
-        let mig = pod("nvidia.com/mig-1g.10gb", Some("n1"));
-        let cpu = pod("cpu", Some("n1"));
-        assert!(keep_pod(&watcher::Event::Apply(gpu.clone())));
-        assert!(keep_pod(&watcher::Event::InitApply(mig)));
-        assert!(!keep_pod(&watcher::Event::Apply(cpu.clone())));
-        assert!(!keep_pod(&watcher::Event::InitApply(cpu.clone())));
-        assert!(keep_pod(&watcher::Event::Delete(cpu)));
+        let cached = |resource: &str| CachedPod::from(pod(resource, Some("n1")));
+        assert!(keep_pod(&watcher::Event::Apply(cached("nvidia.com/gpu"))));
+        assert!(keep_pod(&watcher::Event::InitApply(cached(
+            "nvidia.com/mig-1g.10gb"
+        ))));
+        assert!(!keep_pod(&watcher::Event::Apply(cached("cpu"))));
+        assert!(!keep_pod(&watcher::Event::InitApply(cached("cpu"))));
+        assert!(keep_pod(&watcher::Event::Delete(cached("cpu"))));
         assert!(keep_pod(&watcher::Event::InitDone));
+    }
+
+    #[test]
+    fn the_watch_folds_a_pod_into_its_trimmed_cached_form() {
+        for node in [Some("n1"), None] {
+            let full = pod("nvidia.com/gpu", node);
+            let json = serde_json::to_string(&full).unwrap();
+            let cached: CachedPod = serde_json::from_str(&json).unwrap();
+            let mut trimmed = full.clone();
+            trim_pod(&mut trimmed);
+            assert_eq!(cached.to_pod(), trimmed);
+            assert_eq!(cached.node_name(), node);
+            assert_eq!(cached.phase(), Some("Running"));
+            assert!(cached.requests_gpu());
+        }
+        let cpu: CachedPod =
+            serde_json::from_value(serde_json::to_value(pod("cpu", Some("n1"))).unwrap()).unwrap();
+        assert!(!cpu.requests_gpu());
+        assert!(CachedPod::from(Pod::default()).to_pod() == Pod::default());
     }
 
     #[test]
@@ -259,6 +459,17 @@ mod tests {
         let annotations = trimmed.metadata.annotations.as_ref().unwrap();
         assert_eq!(annotations.len(), 2, "{annotations:?}");
         assert!(spec.volumes.is_none() && spec.containers[0].env.is_none());
+        let limits = spec.containers[0]
+            .resources
+            .as_ref()
+            .unwrap()
+            .limits
+            .as_ref();
+        assert_eq!(
+            limits.map(|l| l.len()),
+            Some(1),
+            "only the GPU resource stays"
+        );
         assert!(spec.containers[0].image.is_none());
         assert!(spec.tolerations.is_none() && spec.node_selector.is_none());
         assert!(trimmed.status.as_ref().unwrap().pod_ip.is_none());
@@ -306,6 +517,7 @@ mod tests {
         let mut status = mig_node_status(&gn, &[("ml".into(), "trainer-0".into())]);
         status.checks[0].passed = false;
         status.checks[0].message = "driver 535 is older than 550".into();
+        status.gpus[2].health = Health::Unhealthy;
         gn.status = Some(status);
         let full = gn.clone();
         trim_gpunode(&mut gn);
@@ -317,17 +529,32 @@ mod tests {
             a.checks[1].message, "",
             "a passed check's message is dropped"
         );
-        assert_eq!(a.gpus[0].mig_devices[0].idleness.pods.len(), 1);
-        for (g, f) in a.gpus.iter().zip(&b.gpus) {
-            assert_eq!((&g.uuid, &g.model, g.health), (&f.uuid, &f.model, f.health));
+        // GPU 0 holds the pod, GPU 2 is unhealthy; the other six are dropped.
+        assert_eq!(a.gpus.iter().map(|g| g.index).collect::<Vec<_>>(), [0, 2]);
+        assert_eq!((a.gpu_count, a.healthy_gpus), (b.gpu_count, b.healthy_gpus));
+        for g in &a.gpus {
+            let f = &b.gpus[g.index as usize];
+            assert_eq!((&g.model, g.health), (&f.model, f.health));
+            // The pool names an unhealthy GPU by its UUID; a healthy one's is dropped.
+            match f.health {
+                Health::Healthy => assert!(g.uuid.is_empty()),
+                Health::Unhealthy => assert_eq!(g.uuid, f.uuid),
+            }
             assert_eq!(g.idleness, f.idleness);
-            assert_eq!(g.mig_devices.len(), f.mig_devices.len());
-            for (m, n) in g.mig_devices.iter().zip(&f.mig_devices) {
+            // Only the held MIG devices stay, with their holders and idleness.
+            let held: Vec<_> = f
+                .mig_devices
+                .iter()
+                .filter(|m| !m.idleness.pods.is_empty())
+                .collect();
+            assert_eq!(g.mig_devices.len(), held.len());
+            for (m, n) in g.mig_devices.iter().zip(held) {
                 assert_eq!((&m.profile, m.health), (&n.profile, n.health));
                 assert_eq!(m.idleness, n.idleness);
                 assert!(m.uuid.is_empty() && m.cdi_name.is_empty());
             }
         }
+        assert_eq!(a.gpus[0].mig_devices.len(), 1);
         assert_eq!(gn.spec, full.spec);
     }
 }

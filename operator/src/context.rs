@@ -71,7 +71,7 @@ pub struct Context {
     /// GpuNodes.
     pub gpunodes: Store<GpuNode>,
     /// Pods, trimmed to what the reclaimer and drain need.
-    pub pods: Store<Pod>,
+    pub pods: Store<crate::cache::CachedPod>,
     /// Namespaces' metadata.
     pub namespaces: Store<PartialObjectMeta<Namespace>>,
     /// Event recorder.

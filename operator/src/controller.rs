@@ -11,7 +11,7 @@ use gpupool_crds::conditions::{Observed, condition};
 use gpupool_crds::labels::{OPERATOR_TAINTS, POOL_FINALIZER, POOL_LABEL};
 use gpupool_crds::policy::ReclaimMode;
 use gpupool_crds::{GpuNode, GpuPool, GpuPoolStatus};
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Taint};
+use k8s_openapi::api::core::v1::{Namespace, Node, Taint};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, DynamicObject, PartialObjectMeta, Patch, PatchParams};
 use kube::core::{ApiResource, DeserializeGuard};
@@ -26,7 +26,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::cache::{keep_pod, trim_gpunode, trim_node, trim_pod};
+use crate::cache::{CachedPod, keep_pod, trim_gpunode, trim_node};
 use crate::context::{Context, FIELD_MANAGER, Settings};
 use crate::error::{Error, Failures, Result};
 use crate::liveness::Liveness;
@@ -705,12 +705,12 @@ pub async fn run(
     let pools_api: Api<DeserializeGuard<GpuPool>> = Api::all(client.clone());
     let gn_api: Api<GpuNode> = Api::all(client.clone());
     let node_api: Api<Node> = Api::all(client.clone());
-    let pod_api: Api<Pod> = Api::all(client.clone());
+    let pod_api: Api<CachedPod> = Api::all(client.clone());
     let ns_api: Api<PartialObjectMeta<Namespace>> = Api::all(client.clone());
 
     let (gn_store, gn_writer) = reflector::store::<GpuNode>();
     let (node_store, node_writer) = reflector::store::<Node>();
-    let (pod_store, pod_writer) = reflector::store::<Pod>();
+    let (pod_store, pod_writer) = reflector::store::<CachedPod>();
     let (ns_store, ns_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
 
     let cfg = watcher::Config::default().any_semantic();
@@ -737,8 +737,7 @@ pub async fn run(
             cfg.clone()
                 .fields("status.phase!=Succeeded,status.phase!=Failed"),
         )
-        .try_filter(|ev| future::ready(keep_pod(ev)))
-        .modify(trim_pod),
+        .try_filter(|ev| future::ready(keep_pod(ev))),
     )
     .default_backoff()
     .inspect_err(watch_failed("Pod"))

@@ -92,7 +92,12 @@ pub async fn run(
     let mut remaining = 0u32;
     for gn in draining {
         let node = &gn.name_any();
-        for pod in pods_to_drain(gn, all.iter().map(|p| p.as_ref())) {
+        let on_node: Vec<Pod> = all
+            .iter()
+            .filter(|p| p.node_name() == Some(node.as_str()))
+            .map(|p| p.to_pod())
+            .collect();
+        for pod in pods_to_drain(gn, &on_node) {
             remaining += 1;
             if pod.metadata.deletion_timestamp.is_some() {
                 continue;

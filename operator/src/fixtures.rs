@@ -6,9 +6,7 @@ use std::sync::{Arc, Mutex};
 use gpupool_crds::labels::{DRIVER_INVALID_TAINT, POOL_FINALIZER, POOL_LABEL};
 use gpupool_crds::{GpuNode, GpuPool};
 use http::{Method, Request, Response};
-use k8s_openapi::api::core::v1::{
-    Namespace, Node, NodeCondition, NodeSpec, NodeStatus, Pod, Taint,
-};
+use k8s_openapi::api::core::v1::{Namespace, Node, NodeCondition, NodeSpec, NodeStatus, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::PartialObjectMeta;
@@ -114,7 +112,7 @@ struct Fixture {
     pools: Writer<DeserializeGuard<GpuPool>>,
     nodes: Writer<Node>,
     gpunodes: Writer<GpuNode>,
-    pods: Writer<Pod>,
+    pods: Writer<crate::cache::CachedPod>,
     namespaces: Writer<PartialObjectMeta<Namespace>>,
 }
 
@@ -423,7 +421,7 @@ fn idle_job_fixture(client: Client) -> (Fixture, GpuPool) {
     use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus, Pod, PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-    let (pod_store, mut pods) = reflector::store::<Pod>();
+    let (pod_store, mut pods) = reflector::store::<crate::cache::CachedPod>();
     // Its first (empty) list is in; the pod arrives after.
     pods.apply_watcher_event(&watcher::Event::InitDone);
     let mut f = Fixture::new(client);
@@ -491,7 +489,7 @@ fn idle_job_fixture(client: Client) -> (Fixture, GpuPool) {
         controller: Some(true),
         ..Default::default()
     }]);
-    pods.apply_watcher_event(&watcher::Event::Apply(pod));
+    pods.apply_watcher_event(&watcher::Event::Apply(pod.into()));
     f.pool(&p);
     f.node(&node);
     f.gpunode(&gn);

@@ -18,6 +18,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
+use crate::cache::CachedPod;
 use crate::context::{Context, FIELD_MANAGER, capped_backoff};
 use crate::demand::demand_pending;
 use crate::error::{Error, Failures, Result, api_code};
@@ -137,24 +138,24 @@ async fn deactivate_workload(
 }
 
 /// Other unfinished pods (the store holds no Succeeded or Failed ones) of `pod`'s Job.
-fn job_siblings(pod: &Pod, all: &[Arc<Pod>]) -> usize {
-    let job_uid = |p: &Pod| {
+fn job_siblings(pod: &Pod, all: &[Arc<CachedPod>]) -> usize {
+    fn job_uid(p: &impl ResourceExt) -> Option<String> {
         p.owner_references()
             .iter()
             .find(|o| o.kind == "Job" && o.api_version.starts_with("batch/"))
             .map(|o| o.uid.clone())
-    };
+    }
     let Some(uid) = job_uid(pod) else {
         return 0;
     };
     all.iter()
         .filter(|p| p.namespace() == pod.namespace() && p.name_any() != pod.name_any())
         .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .filter(|p| job_uid(p).as_ref() == Some(&uid))
+        .filter(|p| job_uid(p.as_ref()).as_ref() == Some(&uid))
         .count()
 }
 
-fn pod_key(pod: &Pod) -> String {
+fn pod_key(pod: &impl ResourceExt) -> String {
     format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any())
 }
 
@@ -174,18 +175,22 @@ pub async fn run(
     let pool_name = pool.name_any();
     let by_name: BTreeMap<String, &Arc<Node>> = nodes.iter().map(|n| (n.name_any(), n)).collect();
     let all_pods = ctx.pods.state();
-    let demand =
-        policy.only_under_pressure && demand_pending(all_pods.iter().map(|p| p.as_ref()), nodes);
+    // Only pods waiting for a node can be pending demand: only those are unfolded.
+    let demand = policy.only_under_pressure && {
+        let waiting: Vec<Pod> = all_pods
+            .iter()
+            .filter(|p| p.node_name().is_none() && p.phase() == Some("Pending"))
+            .map(|p| p.to_pod())
+            .collect();
+        demand_pending(&waiting, nodes)
+    };
     let mut warned: BTreeSet<String> = all_pods
         .iter()
         .filter(|p| {
-            p.spec
-                .as_ref()
-                .and_then(|s| s.node_name.as_ref())
-                .is_some_and(|n| by_name.contains_key(n))
+            p.node_name().is_some_and(|n| by_name.contains_key(n))
                 && p.annotations().contains_key(IDLE_SINCE_ANNOTATION)
         })
-        .map(|p| pod_key(p))
+        .map(|p| pod_key(p.as_ref()))
         .collect();
 
     let mut holds: BTreeMap<reclaim::HoldReason, u32> = BTreeMap::new();
@@ -201,12 +206,12 @@ pub async fn run(
             for d in &mut devices {
                 d.idle_since = d.idle_since.map(|t| on_operator_clock(t, liveness.skew()));
             }
-            let Some(pod) = ctx.pods.get(&ObjectRef::new(&name).within(&ns)) else {
+            let Some(cached) = ctx.pods.get(&ObjectRef::new(&name).within(&ns)) else {
                 continue;
             };
+            let pod = cached.to_pod();
             let ns_meta = ctx.namespaces.get(&ObjectRef::new(&ns));
-            let on_node =
-                pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&node_name);
+            let on_node = cached.node_name() == Some(&node_name);
             let pctx = PodContext {
                 devices,
                 on_pool_node: on_node,
@@ -380,16 +385,12 @@ pub async fn unwarn_all(pool: &GpuPool, ctx: &Context) {
         .map(|n| n.name_any())
         .collect();
     for pod in ctx.pods.state() {
-        let on_ours = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.node_name.as_ref())
-            .is_some_and(|n| nodes.contains(n));
+        let on_ours = pod.node_name().is_some_and(|n| nodes.contains(n));
         if on_ours
             && pod.annotations().contains_key(IDLE_SINCE_ANNOTATION)
-            && let Err(e) = unwarn_pod(&pod, "its pool was deleted", ctx).await
+            && let Err(e) = unwarn_pod(&pod.to_pod(), "its pool was deleted", ctx).await
         {
-            warn!(pod = %pod_key(&pod), error = %e, "removing the idle warning failed");
+            warn!(pod = %pod_key(pod.as_ref()), error = %e, "removing the idle warning failed");
         }
     }
 }
