@@ -129,7 +129,7 @@ const NAMESPACE: &str = "scale-bench";
 fn pod(i: u64, k: u64, generation: u64) -> BoxResult<Pod> {
     let job = format!("train-{i:05}-{k}-{generation}");
     let mut limits = json!({ "cpu": "8", "memory": "64Gi" });
-    if k % 2 == 0 {
+    if k.is_multiple_of(2) {
         limits["nvidia.com/mig-1g.10gb"] = json!("1");
     }
     Ok(serde_json::from_value(json!({
@@ -338,7 +338,7 @@ fn status_for(gn: &GpuNode, per_node: u64) -> serde_json::Value {
         .parse()
         .unwrap_or_default();
     let holders: Vec<(String, String)> = (0..per_node)
-        .filter(|k| k % 2 == 0)
+        .filter(|k| k.is_multiple_of(2))
         .filter_map(|k| pod(i, k, 0).ok())
         .map(|p| (NAMESPACE.to_string(), p.name_any()))
         .collect();
