@@ -577,18 +577,27 @@ async fn main() -> BoxResult<()> {
         println!("heap profile: {}", dhat_file().display());
     }
     clear_stale_pool(&pools, &gpunodes).await?;
-    // One delete-collection may stop short on tens of thousands of pods: repeat until none.
-    while !pods
-        .list_metadata(&ListParams::default().limit(1))
-        .await?
-        .items
-        .is_empty()
-    {
-        pods.delete_collection(
-            &DeleteParams::default().grace_period(0),
-            &ListParams::default(),
-        )
-        .await?;
+    // One delete-collection may stop short on tens of thousands of pods, or outlast the
+    // connection: repeat until none is left.
+    for _ in 0..60 {
+        if pods
+            .list_metadata(&ListParams::default().limit(1))
+            .await?
+            .items
+            .is_empty()
+        {
+            break;
+        }
+        if let Err(e) = pods
+            .delete_collection(
+                &DeleteParams::default().grace_period(0),
+                &ListParams::default(),
+            )
+            .await
+        {
+            println!("deleting the bench pods: {e}; trying again");
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
     }
     nodes
         .delete_collection(
