@@ -1,19 +1,27 @@
-//! Scale benchmark: N kwok GPU nodes × 8 GPUs, one pool selecting all of them, a fleet
-//! simulator writing GpuNode statuses, and the operator binary measured from outside.
+//! Scale benchmark: N kwok GPU nodes × 8 GPUs with their pods, one pool selecting all of them,
+//! a fleet simulator writing GpuNode statuses as agents do, and the operator (a release build)
+//! measured from outside.
 //!
 //! ```text
-//! e2e/cluster up                                       # a control plane with kwok
+//! e2e/cluster up --nodes 0                             # a control plane with kwok
 //! kubectl apply --server-side -f crds/
 //! KUBECONFIG=target/e2e/kubeconfig SCALE_NODES=1000 cargo bench -p gpupool-operator --bench scale
 //! ```
 //!
+//! Each node gets `SCALE_PODS_PER_NODE` (default 8) running pods, every other one holding a
+//! `1g.10gb` MIG device; the agents' reports list 8 H100s × seven MIG devices and the pods on
+//! them. During the steady state (`SCALE_STEADY_SECS`, default 60) `SCALE_CHURN_PER_SEC`
+//! (default 10) pods a second are replaced.
+//!
 //! Prints: time from the pool's apply to Ready, and from the last node's report to Ready; API
-//! writes per node (the operator's own `gpupool_api_writes_total`); the operator's peak RSS
-//! (VmHWM); writes per minute in steady state. Without KUBECONFIG it says so and exits.
-//! Environment: `SCALE_NODES` (default 1000), `SCALE_STEADY_SECS` (default 60),
-//! `SCALE_TIMEOUT_SECS` (how long to wait for the reports and for Ready; default 600),
-//! `GPUPOOL_OPERATOR_BIN` (default: built here with `cargo build -p gpupool-operator --bin
-//! gpupool-operator` into `$CARGO_TARGET_DIR/debug/`, never a binary an earlier build left).
+//! writes per node (the operator's own `gpupool_api_writes_total`); reconcile duration p50 and
+//! p99 (from its histogram); the operator's peak (VmHWM) and end (VmRSS) resident memory;
+//! writes per minute in steady state. Without KUBECONFIG it says so and exits.
+//! Environment also: `SCALE_NODES` (default 1000), `SCALE_TIMEOUT_SECS` (how long to wait for
+//! the reports and for Ready; default 600; give 5,000 nodes 1500), `SCALE_DHAT=1` (build the
+//! operator with dhat's heap profiler; the profile lands in `$CARGO_TARGET_DIR/dhat-heap.json`),
+//! `GPUPOOL_OPERATOR_BIN` (default: `cargo build --release` of the operator, never a binary an
+//! earlier build left).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
