@@ -412,6 +412,15 @@ mod tests {
         ))));
         assert!(!keep_pod(&watcher::Event::Apply(cached("cpu"))));
         assert!(!keep_pod(&watcher::Event::InitApply(cached("cpu"))));
+        assert!(keep_pod(&watcher::Event::Apply(cached(
+            "nvidia.com/gpu.shared"
+        ))));
+        assert!(keep_pod(&watcher::Event::Apply(cached(
+            "nvidia.com/mig-1g.10gb.shared"
+        ))));
+        assert!(!keep_pod(&watcher::Event::Apply(cached(
+            "nvidia.com/gpu-other"
+        ))));
         assert!(keep_pod(&watcher::Event::Delete(cached("cpu"))));
         assert!(keep_pod(&watcher::Event::InitDone));
     }

@@ -29,9 +29,13 @@ pub fn requests_gpu(pod: &Pod) -> bool {
     })
 }
 
-/// Whether a resource name is a GPU resource gpupool serves.
+/// Whether a resource name is a GPU resource gpupool serves: whole GPUs, MIG devices, and
+/// their shared replicas under `renameByDefault` (`nvidia.com/gpu.shared`,
+/// `nvidia.com/mig-1g.10gb.shared`).
 pub fn is_gpu_resource(name: &str) -> bool {
-    name == "nvidia.com/gpu" || name.starts_with("nvidia.com/mig-")
+    name == "nvidia.com/gpu"
+        || name == "nvidia.com/gpu.shared"
+        || name.starts_with("nvidia.com/mig-")
 }
 
 /// Whether some pod wants GPUs, waits to be scheduled, and could run on one of `nodes`.
