@@ -253,10 +253,7 @@ async fn churn(
 /// `q` (0..1) of a Prometheus histogram read from the operator's /metrics, interpolated
 /// within its bucket as Prometheus' `histogram_quantile` does.
 async fn histogram_quantile(name: &str, q: f64) -> BoxResult<Option<f64>> {
-    let out = Command::new("curl")
-        .args(["-s", &format!("http://127.0.0.1:{PORT}/metrics")])
-        .output()?;
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = scrape()?;
     let mut buckets: Vec<(f64, f64)> = text
         .lines()
         .filter(|l| l.starts_with(&format!("{name}_bucket")))
@@ -300,11 +297,16 @@ fn vm_rss_kib(pid: u32) -> u64 {
     status_kib(pid, "VmRSS:")
 }
 
-async fn metric_sum(name: &str) -> BoxResult<f64> {
+/// The operator's /metrics page.
+fn scrape() -> BoxResult<String> {
     let out = Command::new("curl")
         .args(["-s", &format!("http://127.0.0.1:{PORT}/metrics")])
         .output()?;
-    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+async fn metric_sum(name: &str) -> BoxResult<f64> {
+    let text = scrape()?;
     Ok(text
         .lines()
         .filter(|l| l.starts_with(name))

@@ -36,7 +36,7 @@ use kube::api::ObjectMeta;
 use kube::runtime::watcher;
 use serde::Deserialize;
 
-use crate::demand::is_gpu_resource;
+use crate::demand::{asks_gpu, is_gpu_resource};
 
 /// Annotations on pods the operator reads (reclaim opt-out, its own warnings, dry runs).
 const POD_ANNOTATION_PREFIX: &str = "gpupool.io/";
@@ -217,15 +217,9 @@ impl CachedPod {
     /// Whether a container asks for GPUs ([`crate::demand::requests_gpu`] of the pod).
     pub fn requests_gpu(&self) -> bool {
         self.spec.as_deref().is_some_and(|s| {
-            s.containers.iter().any(|(_, r)| {
-                r.as_ref().is_some_and(|r| {
-                    r.limits
-                        .iter()
-                        .chain(r.requests.iter())
-                        .flat_map(|m| m.keys())
-                        .any(|k| is_gpu_resource(k))
-                })
-            })
+            s.containers
+                .iter()
+                .any(|(_, r)| r.as_ref().is_some_and(asks_gpu))
         })
     }
 }

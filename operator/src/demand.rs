@@ -10,23 +10,28 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{
-    Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec, Taint, Toleration,
+    Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec, ResourceRequirements, Taint,
+    Toleration,
 };
 use kube::ResourceExt;
 
 /// Whether a pod asks for GPUs (`nvidia.com/gpu` or `nvidia.com/mig-*`).
 pub fn requests_gpu(pod: &Pod) -> bool {
     pod.spec.as_ref().is_some_and(|spec| {
-        spec.containers.iter().any(|c| {
-            c.resources.as_ref().is_some_and(|r| {
-                r.limits
-                    .iter()
-                    .chain(r.requests.iter())
-                    .flat_map(|m| m.keys())
-                    .any(|k| is_gpu_resource(k))
-            })
-        })
+        spec.containers
+            .iter()
+            .any(|c| c.resources.as_ref().is_some_and(asks_gpu))
     })
+}
+
+/// Whether a container's limits or requests name a GPU resource.
+pub fn asks_gpu(resources: &ResourceRequirements) -> bool {
+    resources
+        .limits
+        .iter()
+        .chain(resources.requests.iter())
+        .flat_map(|m| m.keys())
+        .any(|k| is_gpu_resource(k))
 }
 
 /// Whether a resource name is a GPU resource gpupool serves: whole GPUs, MIG devices, and
