@@ -36,7 +36,7 @@ use kube::api::ObjectMeta;
 use kube::runtime::watcher;
 use serde::Deserialize;
 
-use crate::demand::{asks_gpu, is_gpu_resource};
+use crate::demand::is_gpu_resource;
 
 /// Annotations on pods the operator reads (reclaim opt-out, its own warnings, dry runs).
 const POD_ANNOTATION_PREFIX: &str = "gpupool.io/";
@@ -122,52 +122,123 @@ fn gpu_resources_only(r: ResourceRequirements) -> ResourceRequirements {
 
 /// What the operator keeps of a pod: [`trim_pod`]'s cut, stored flat. The pod watch
 /// deserializes into it (a `Pod` first, folded at once), so a pod costs the cache its metadata
-/// and a few strings.
+/// and a few strings: the labels and the GPU requests are packed into one allocation each
+/// ([`PackedMap`]), and what only an unbound pod keeps sits behind one optional box.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(from = "Pod")]
 pub struct CachedPod {
-    /// The pod's metadata, trimmed.
+    /// The pod's metadata, trimmed; its labels are in `labels`.
     pub metadata: ObjectMeta,
+    labels: Option<PackedMap>,
     spec: Option<Box<CachedSpec>>,
-    phase: Option<String>,
+    phase: Option<Box<str>>,
     start_time: Option<Time>,
     has_status: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
 struct CachedSpec {
-    node_name: Option<String>,
-    priority_class_name: Option<String>,
-    /// Each container's name and GPU requests.
-    containers: Vec<(String, Option<ResourceRequirements>)>,
+    node_name: Option<Box<str>>,
+    priority_class_name: Option<Box<str>>,
+    containers: Box<[CachedContainer]>,
+    /// The scheduling constraints, kept only while the pod waits for a node.
+    unbound: Option<Box<Unbound>>,
+}
+
+/// A container's name and GPU requests and limits.
+#[derive(Clone, Debug, PartialEq)]
+struct CachedContainer {
+    name: Box<str>,
+    /// `(limits, requests)`, each of GPU resources only; `None` where the container had no
+    /// resources at all.
+    resources: Option<(Option<PackedMap>, Option<PackedMap>)>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+struct Unbound {
     node_selector: Option<BTreeMap<String, String>>,
     affinity: Option<Affinity>,
     tolerations: Option<Vec<Toleration>>,
 }
 
+/// A small map of strings in one allocation: `key NUL value NUL key NUL value NUL ...` in key
+/// order. For labels and resource quantities, which the API server never lets hold a NUL; a
+/// `BTreeMap<String, String>` of a pod's few labels costs a 500-byte node and two allocations
+/// an entry.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedMap(Box<str>);
+
+impl PackedMap {
+    const SEP: char = '\0';
+
+    fn pack<'a>(entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
+        let mut s = String::new();
+        for (k, v) in entries {
+            s.push_str(k);
+            s.push(Self::SEP);
+            s.push_str(v);
+            s.push(Self::SEP);
+        }
+        PackedMap(s.into_boxed_str())
+    }
+
+    /// The entries in key order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        let mut parts = self.0.split_terminator(Self::SEP);
+        std::iter::from_fn(move || Some((parts.next()?, parts.next()?)))
+    }
+
+    fn to_map<V>(&self, value: impl Fn(String) -> V) -> BTreeMap<String, V> {
+        self.iter()
+            .map(|(k, v)| (k.to_string(), value(v.to_string())))
+            .collect()
+    }
+}
+
 impl From<Pod> for CachedPod {
     fn from(mut pod: Pod) -> Self {
         trim_pod(&mut pod);
+        let labels = pod
+            .metadata
+            .labels
+            .take()
+            .map(|l| PackedMap::pack(l.iter().map(|(k, v)| (k.as_str(), v.as_str()))));
+        let pack_quantities = |m: Option<BTreeMap<String, Quantity>>| {
+            m.map(|m| PackedMap::pack(m.iter().map(|(k, v)| (k.as_str(), v.0.as_str()))))
+        };
         let spec = pod.spec.map(|s| {
+            let unbound =
+                (s.node_selector.is_some() || s.affinity.is_some() || s.tolerations.is_some())
+                    .then(|| {
+                        Box::new(Unbound {
+                            node_selector: s.node_selector,
+                            affinity: s.affinity,
+                            tolerations: s.tolerations,
+                        })
+                    });
             Box::new(CachedSpec {
-                node_name: s.node_name,
-                priority_class_name: s.priority_class_name,
+                node_name: s.node_name.map(String::into_boxed_str),
+                priority_class_name: s.priority_class_name.map(String::into_boxed_str),
                 containers: s
                     .containers
                     .into_iter()
-                    .map(|c| (c.name, c.resources))
+                    .map(|c| CachedContainer {
+                        name: c.name.into_boxed_str(),
+                        resources: c
+                            .resources
+                            .map(|r| (pack_quantities(r.limits), pack_quantities(r.requests))),
+                    })
                     .collect(),
-                node_selector: s.node_selector,
-                affinity: s.affinity,
-                tolerations: s.tolerations,
+                unbound,
             })
         });
         let has_status = pod.status.is_some();
         let status = pod.status.unwrap_or_default();
         CachedPod {
             metadata: pod.metadata,
+            labels,
             spec,
-            phase: status.phase,
+            phase: status.phase.map(String::into_boxed_str),
             start_time: status.start_time,
             has_status,
         }
@@ -177,27 +248,39 @@ impl From<Pod> for CachedPod {
 impl CachedPod {
     /// The pod as [`trim_pod`] leaves it, for the decisions that read pods.
     pub fn to_pod(&self) -> Pod {
+        let quantities = |m: &Option<PackedMap>| m.as_ref().map(|m| m.to_map(Quantity));
+        let mut metadata = self.metadata.clone();
+        metadata.labels = self.labels.as_ref().map(|l| l.to_map(|v| v));
         Pod {
-            metadata: self.metadata.clone(),
-            spec: self.spec.as_deref().map(|s| PodSpec {
-                node_name: s.node_name.clone(),
-                priority_class_name: s.priority_class_name.clone(),
-                containers: s
-                    .containers
-                    .iter()
-                    .map(|(name, resources)| Container {
-                        name: name.clone(),
-                        resources: resources.clone(),
-                        ..Container::default()
-                    })
-                    .collect(),
-                node_selector: s.node_selector.clone(),
-                affinity: s.affinity.clone(),
-                tolerations: s.tolerations.clone(),
-                ..PodSpec::default()
+            metadata,
+            spec: self.spec.as_deref().map(|s| {
+                let unbound = s.unbound.as_deref();
+                PodSpec {
+                    node_name: s.node_name.as_deref().map(str::to_string),
+                    priority_class_name: s.priority_class_name.as_deref().map(str::to_string),
+                    containers: s
+                        .containers
+                        .iter()
+                        .map(|c| Container {
+                            name: c.name.to_string(),
+                            resources: c.resources.as_ref().map(|(limits, requests)| {
+                                ResourceRequirements {
+                                    limits: quantities(limits),
+                                    requests: quantities(requests),
+                                    claims: None,
+                                }
+                            }),
+                            ..Container::default()
+                        })
+                        .collect(),
+                    node_selector: unbound.and_then(|u| u.node_selector.clone()),
+                    affinity: unbound.and_then(|u| u.affinity.clone()),
+                    tolerations: unbound.and_then(|u| u.tolerations.clone()),
+                    ..PodSpec::default()
+                }
             }),
             status: self.has_status.then(|| PodStatus {
-                phase: self.phase.clone(),
+                phase: self.phase.as_deref().map(str::to_string),
                 start_time: self.start_time.clone(),
                 ..PodStatus::default()
             }),
@@ -214,12 +297,16 @@ impl CachedPod {
         self.phase.as_deref()
     }
 
-    /// Whether a container asks for GPUs ([`crate::demand::requests_gpu`] of the pod).
+    /// Whether a container asks for GPUs ([`crate::demand::requests_gpu`] of the pod, read from
+    /// the packed requests without unpacking them).
     pub fn requests_gpu(&self) -> bool {
         self.spec.as_deref().is_some_and(|s| {
             s.containers
                 .iter()
-                .any(|(_, r)| r.as_ref().is_some_and(asks_gpu))
+                .filter_map(|c| c.resources.as_ref())
+                .flat_map(|(limits, requests)| limits.iter().chain(requests))
+                .flat_map(PackedMap::iter)
+                .any(|(k, _)| is_gpu_resource(k))
         })
     }
 }
@@ -484,6 +571,40 @@ mod tests {
             size(&trimmed),
             size(&full)
         );
+    }
+
+    #[test]
+    fn a_packed_map_gives_back_its_entries_in_key_order() {
+        let map = BTreeMap::from([
+            ("team".to_string(), "research".to_string()),
+            (
+                "batch.kubernetes.io/job-name".to_string(),
+                "train-1".to_string(),
+            ),
+            ("empty".to_string(), String::new()),
+        ]);
+        let packed = PackedMap::pack(map.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        assert_eq!(packed.to_map(|v| v), map);
+        assert_eq!(
+            packed.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            ["batch.kubernetes.io/job-name", "empty", "team"]
+        );
+        assert_eq!(packed.iter().nth(1), Some(("empty", "")));
+        let none = PackedMap::pack([]);
+        assert_eq!(none.iter().count(), 0);
+        assert_eq!(none.to_map(|v| v), BTreeMap::new());
+    }
+
+    #[test]
+    fn a_cached_pod_keeps_empty_and_missing_labels_apart() {
+        let mut p = pod("nvidia.com/gpu", Some("n1"));
+        p.metadata.labels = Some(BTreeMap::new());
+        assert_eq!(
+            CachedPod::from(p.clone()).to_pod().metadata.labels,
+            Some(BTreeMap::new())
+        );
+        p.metadata.labels = None;
+        assert_eq!(CachedPod::from(p).to_pod().metadata.labels, None);
     }
 
     #[test]

@@ -25,7 +25,7 @@ pub fn requests_gpu(pod: &Pod) -> bool {
 }
 
 /// Whether a container's limits or requests name a GPU resource.
-pub fn asks_gpu(resources: &ResourceRequirements) -> bool {
+fn asks_gpu(resources: &ResourceRequirements) -> bool {
     resources
         .limits
         .iter()
