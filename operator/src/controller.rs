@@ -206,6 +206,21 @@ pub(crate) fn operator_taints(node: &Node) -> BTreeSet<&'static str> {
         .collect()
 }
 
+/// The GpuNode `node_name` should have: its kind's resolved spec, with `kept_mig` in place of
+/// the resolved layout while the node waits its turn in a layout rollout.
+fn desired_gpunode(
+    pool: &GpuPool,
+    node_name: &str,
+    resolved: &pool::ResolvedSpec,
+    kept_mig: Option<gpupool_crds::node::NodeMigSpec>,
+) -> GpuNode {
+    let mut spec = resolved.spec.clone();
+    if let Some(mig) = kept_mig {
+        spec.mig = mig;
+    }
+    pool::gpunode_for(pool, node_name, spec)
+}
+
 /// The reconcile of a live pool.
 async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> {
     // The status this reconcile builds on (reclaim history and counters above all) must not be
@@ -246,14 +261,13 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     let member_names: BTreeSet<String> = membership.members.iter().map(|n| n.name_any()).collect();
     let mut to_apply = Vec::new();
     let mut joined = Vec::new();
+    // One spec per kind of node, shared; a node's own GpuNode is built only to compare it
+    // with what exists and, where they differ, to write it (a few at a time, below).
+    let mut specs = pool::SpecResolver::new(pool);
     let wanted: Vec<_> = membership
         .members
         .iter()
-        .map(|node| {
-            let node_name = node.name_any();
-            let (desired, problem) = pool::desired_gpunode(pool, &node_name, node.labels());
-            (node, node_name, desired, problem)
-        })
+        .map(|node| (node, node.name_any(), specs.resolve(node.labels())))
         .collect();
     // A layout edit rolls over the nodes a few at a time (mig.maxUnavailable).
     let owned = |name: &str| {
@@ -264,19 +278,21 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     };
     let rollout: Vec<(&str, Option<&GpuNode>, &gpupool_crds::node::NodeMigSpec)> = wanted
         .iter()
-        .map(|(_, name, desired, _)| (name.as_str(), owned(name), &desired.spec.mig))
+        .map(|(_, name, resolved)| (name.as_str(), owned(name), &resolved.spec.mig))
         .collect();
     let holds: BTreeSet<String> =
         pool::mig_rollout_holds(pool.spec.mig.max_unavailable(), &rollout)
             .into_iter()
             .map(str::to_owned)
             .collect();
-    for (node, node_name, mut desired, problem) in wanted {
+    for (node, node_name, resolved) in wanted {
         let mig_waiting = holds.contains(&node_name);
         let existing = gpunodes.get(&node_name);
-        if mig_waiting && let Some(gn) = existing {
-            desired.spec.mig = gn.spec.mig.clone();
-        }
+        // A node waiting its turn keeps the layout it has.
+        let kept_mig = existing
+            .filter(|_| mig_waiting)
+            .map(|gn| gn.spec.mig.clone());
+        let desired = desired_gpunode(pool, &node_name, &resolved, kept_mig.clone());
         match existing {
             Some(gn) if !owned_by(gn, pool) => {
                 // Still held by a pool that is letting go; take it once it is gone.
@@ -287,7 +303,7 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
                 if existing.is_none() {
                     joined.push(node_name.clone());
                 }
-                to_apply.push(desired);
+                to_apply.push((node_name.clone(), resolved.clone(), kept_mig));
             }
         }
         members.push(Member {
@@ -295,7 +311,7 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
             gpunode: existing
                 .filter(|gn| owned_by(gn, pool))
                 .map(|gn| gn.as_ref()),
-            layout_problem: problem,
+            layout_problem: resolved.problem.clone(),
             node_ready: node_ready_status(node) == Some("True"),
             agent: ctx
                 .liveness
@@ -306,10 +322,10 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     // A failed write does not stop the others: the status names what failed.
     let mut failures = Failures::default();
     let applied: Vec<(String, Result<()>)> = stream::iter(to_apply)
-        .map(|desired| {
+        .map(|(node_name, resolved, kept_mig)| {
             let gn_api = gn_api.clone();
             async move {
-                let node_name = desired.name_any();
+                let desired = desired_gpunode(pool, &node_name, &resolved, kept_mig);
                 let result = gn_api
                     .patch(
                         &node_name,

@@ -12,7 +12,7 @@ pub const GFD_PRODUCT_LABEL: &str = "nvidia.com/gpu.product";
 pub const GFD_COUNT_LABEL: &str = "nvidia.com/gpu.count";
 
 /// The GPU facts of a node, read from its labels.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct NodeGpus {
     /// Product name as the label spells it, e.g. `NVIDIA-H100-80GB-HBM3`.
     pub product: Option<String>,

@@ -1,7 +1,8 @@
 //! Pool decisions, free of I/O: which pool owns a node, the GpuNode a node should have, and
 //! the status a pool reports.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use gpupool_crds::conditions::{Observed, condition, set_condition};
 use gpupool_crds::labels::{DRIVER_INVALID_TAINT, MIG_RECONFIGURING_TAINT, POOL_LABEL};
@@ -177,6 +178,54 @@ pub fn desired_gpunode(
     node_name: &str,
     node_labels: &BTreeMap<String, String>,
 ) -> (GpuNode, Option<LayoutProblem>) {
+    let resolved = resolve_spec(pool, node_labels);
+    (
+        gpunode_for(pool, node_name, resolved.spec),
+        resolved.problem,
+    )
+}
+
+/// A node's desired GpuNode spec and the layout problem met resolving it.
+#[derive(Debug, PartialEq)]
+pub struct ResolvedSpec {
+    /// The spec.
+    pub spec: GpuNodeSpec,
+    /// Why the pool's MIG layout does not fit the node, if it does not.
+    pub problem: Option<LayoutProblem>,
+}
+
+/// Resolves the desired GpuNode specs of a pool's nodes once per kind of node: the spec depends
+/// on the node only through the GPU labels [`NodeGpus`] and [`node_sharing`] read, so thousands
+/// of nodes of a few models share a few specs instead of each holding its own.
+pub struct SpecResolver<'a> {
+    pool: &'a GpuPool,
+    resolved: HashMap<(NodeGpus, Option<String>), Arc<ResolvedSpec>>,
+}
+
+impl<'a> SpecResolver<'a> {
+    /// A resolver for `pool`'s nodes.
+    pub fn new(pool: &'a GpuPool) -> Self {
+        Self {
+            pool,
+            resolved: HashMap::new(),
+        }
+    }
+
+    /// The spec of a node with these labels.
+    pub fn resolve(&mut self, node_labels: &BTreeMap<String, String>) -> Arc<ResolvedSpec> {
+        let key = (
+            NodeGpus::from_labels(node_labels),
+            node_labels.get(layout::GFD_PRODUCT_LABEL).cloned(),
+        );
+        let pool = self.pool;
+        self.resolved
+            .entry(key)
+            .or_insert_with(|| Arc::new(resolve_spec(pool, node_labels)))
+            .clone()
+    }
+}
+
+fn resolve_spec(pool: &GpuPool, node_labels: &BTreeMap<String, String>) -> ResolvedSpec {
     let (mig, problem) = layout::resolve(&pool.spec.mig, &NodeGpus::from_labels(node_labels));
     let spec = GpuNodeSpec {
         pool: pool.name_any(),
@@ -189,6 +238,12 @@ pub fn desired_gpunode(
         },
         sharing: node_sharing(&pool.spec.sharing, node_labels),
     };
+    ResolvedSpec { spec, problem }
+}
+
+/// The GpuNode of `node_name` in `pool` with `spec`: named after the node, labelled with the
+/// pool and owned by it.
+pub fn gpunode_for(pool: &GpuPool, node_name: &str, spec: GpuNodeSpec) -> GpuNode {
     let mut gn = GpuNode::new(node_name, spec);
     gn.metadata = ObjectMeta {
         name: Some(node_name.to_owned()),
@@ -199,7 +254,7 @@ pub fn desired_gpunode(
         owner_references: pool.controller_owner_ref(&()).map(|o| vec![o]),
         ..ObjectMeta::default()
     };
-    (gn, problem)
+    gn
 }
 
 /// Whether an existing GpuNode already has what `desired` asks (spec, pool label, owner).
@@ -1084,6 +1139,54 @@ pub(crate) mod tests {
         );
         assert_eq!(problem.map(|p| p.reason), Some("MIGNotSupported"));
         assert!(!gn.spec.mig.managed);
+    }
+
+    #[test]
+    fn nodes_of_one_kind_share_one_resolved_spec() {
+        let mut p = pool("train", "2026-01-01T00:00:00Z", &[]);
+        p.spec.mig.layout = Some(MigLayout {
+            preset: Some("all-1g.10gb".into()),
+            custom: None,
+        });
+        p.spec.sharing.time_slicing = Some(TimeSlicingPolicy {
+            replicas: 4,
+            rename_by_default: false,
+            fail_requests_greater_than_one: true,
+            placement: Default::default(),
+            resources: None,
+            gpus: None,
+            models: Some(vec!["NVIDIA-L4".into()]),
+        });
+        let h100 = labels(&[
+            ("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3"),
+            ("nvidia.com/gpu.count", "8"),
+            ("kubernetes.io/hostname", "n1"),
+        ]);
+        let mut h100_other_host = h100.clone();
+        h100_other_host.insert("kubernetes.io/hostname".into(), "n2".into());
+        let mut h100_four = h100.clone();
+        h100_four.insert("nvidia.com/gpu.count".into(), "4".into());
+        let l4 = labels(&[
+            ("nvidia.com/gpu.product", "NVIDIA-L4"),
+            ("nvidia.com/gpu.count", "8"),
+        ]);
+        let mut specs = SpecResolver::new(&p);
+        let a = specs.resolve(&h100);
+        assert!(Arc::ptr_eq(&a, &specs.resolve(&h100_other_host)));
+        let four = specs.resolve(&h100_four);
+        let l4_spec = specs.resolve(&l4);
+        assert!(!Arc::ptr_eq(&a, &four) && !Arc::ptr_eq(&a, &l4_spec));
+        assert_eq!((a.spec.mig.gpus.len(), four.spec.mig.gpus.len()), (8, 4));
+        // Sharing follows the product: only the L4 node time-slices.
+        assert!(a.spec.sharing.time_slicing.is_none());
+        assert!(l4_spec.spec.sharing.time_slicing.is_some());
+        // Each is what the node's own resolution gives.
+        for (labels, resolved) in [(&h100, &a), (&h100_four, &four), (&l4, &l4_spec)] {
+            let (gn, problem) = desired_gpunode(&p, "n9", labels);
+            assert_eq!((&gn.spec, &problem), (&resolved.spec, &resolved.problem));
+            let built = gpunode_for(&p, "n9", resolved.spec.clone());
+            assert_eq!((&gn.metadata, &gn.spec), (&built.metadata, &built.spec));
+        }
     }
 
     fn input<'a>(pool: &'a GpuPool, members: Vec<Member<'a>>) -> StatusInput<'a> {
