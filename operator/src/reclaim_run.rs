@@ -1,7 +1,7 @@
 //! The reclaimer's edges: gathering each pod's facts from the stores, and carrying out the
 //! decisions of [`crate::reclaim`] (annotations, Events, Job suspension, evictions, deletes).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use gpupool_crds::labels::{IDLE_SINCE_ANNOTATION, POOL_LABEL, RECLAIM_AT_ANNOTATION};
@@ -137,22 +137,47 @@ async fn deactivate_workload(
     }
 }
 
-/// Other unfinished pods (the store holds no Succeeded or Failed ones) of `pod`'s Job.
-fn job_siblings(pod: &Pod, all: &[Arc<CachedPod>]) -> usize {
-    fn job_uid(p: &impl ResourceExt) -> Option<String> {
-        p.owner_references()
+/// The unfinished pods (the store holds no Succeeded or Failed ones) of each Job, gathered once
+/// per run: asked of every pod the run looks at, a scan of the whole store each time would make
+/// a run quadratic in the cluster's GPU pods.
+struct JobPods<'a>(HashMap<(&'a str, &'a str), Vec<&'a str>>);
+
+impl<'a> JobPods<'a> {
+    /// Groups `all` by namespace and owning Job, leaving out pods on their way out.
+    fn gather(all: &'a [Arc<CachedPod>]) -> Self {
+        let mut by_job: HashMap<(&str, &str), Vec<&str>> = HashMap::new();
+        for p in all
             .iter()
-            .find(|o| o.kind == "Job" && o.api_version.starts_with("batch/"))
-            .map(|o| o.uid.clone())
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+        {
+            if let Some(uid) = job_uid(p.as_ref()) {
+                let ns = p.metadata.namespace.as_deref().unwrap_or_default();
+                let name = p.metadata.name.as_deref().unwrap_or_default();
+                by_job.entry((ns, uid)).or_default().push(name);
+            }
+        }
+        Self(by_job)
     }
-    let Some(uid) = job_uid(pod) else {
-        return 0;
-    };
-    all.iter()
-        .filter(|p| p.namespace() == pod.namespace() && p.name_any() != pod.name_any())
-        .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .filter(|p| job_uid(p.as_ref()).as_ref() == Some(&uid))
-        .count()
+
+    /// Other unfinished pods of `pod`'s Job.
+    fn siblings(&self, pod: &Pod) -> usize {
+        let Some(uid) = job_uid(pod) else {
+            return 0;
+        };
+        let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
+        let name = pod.metadata.name.as_deref().unwrap_or_default();
+        self.0
+            .get(&(ns, uid))
+            .map_or(0, |names| names.iter().filter(|n| **n != name).count())
+    }
+}
+
+/// The UID of the Job that owns `p`.
+fn job_uid(p: &impl ResourceExt) -> Option<&str> {
+    p.owner_references()
+        .iter()
+        .find(|o| o.kind == "Job" && o.api_version.starts_with("batch/"))
+        .map(|o| o.uid.as_str())
 }
 
 fn pod_key(pod: &impl ResourceExt) -> String {
@@ -175,6 +200,7 @@ pub async fn run(
     let pool_name = pool.name_any();
     let by_name: BTreeMap<String, &Arc<Node>> = nodes.iter().map(|n| (n.name_any(), n)).collect();
     let all_pods = ctx.pods.state();
+    let job_pods = JobPods::gather(&all_pods);
     // Only pods waiting for a node can be pending demand: only those are unfolded.
     let demand = policy.only_under_pressure && {
         let waiting: Vec<Pod> = all_pods
@@ -218,7 +244,7 @@ pub async fn run(
                 data_fresh: fresh,
                 namespace_labels: ns_meta.as_ref().map(|m| m.labels()),
                 demand_pending: demand,
-                job_siblings: job_siblings(&pod, &all_pods),
+                job_siblings: job_pods.siblings(&pod),
             };
             let decision = reclaim_decision(&pod, &pctx, policy, now);
             debug!(pod = %pod_key(&pod), ?decision, "reclaim decision");
@@ -641,4 +667,60 @@ async fn act(
         .await;
     }
     Ok(!dry && result == "Succeeded")
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
+    use kube::api::ObjectMeta;
+
+    use super::*;
+
+    fn job_pod(ns: &str, name: &str, job_uid: Option<&str>, deleting: bool) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some(ns.into()),
+                owner_references: job_uid.map(|uid| {
+                    vec![OwnerReference {
+                        api_version: "batch/v1".into(),
+                        kind: "Job".into(),
+                        name: "train".into(),
+                        uid: uid.into(),
+                        ..OwnerReference::default()
+                    }]
+                }),
+                deletion_timestamp: deleting.then(|| Time(Timestamp::UNIX_EPOCH)),
+                ..ObjectMeta::default()
+            },
+            ..Pod::default()
+        }
+    }
+
+    #[test]
+    fn a_pods_job_siblings_are_the_other_unfinished_pods_of_its_job_and_namespace() {
+        let pods = [
+            job_pod("ml", "a", Some("j1"), false),
+            job_pod("ml", "b", Some("j1"), false),
+            job_pod("ml", "c", Some("j1"), true),
+            job_pod("other", "d", Some("j1"), false),
+            job_pod("ml", "e", Some("j2"), false),
+            job_pod("ml", "f", None, false),
+        ];
+        let all: Vec<Arc<CachedPod>> = pods
+            .iter()
+            .map(|p| Arc::new(CachedPod::from(p.clone())))
+            .collect();
+        let jobs = JobPods::gather(&all);
+        // b is a's sibling; c is on its way out, d in another namespace, e of another Job.
+        assert_eq!(jobs.siblings(&pods[0]), 1);
+        assert_eq!(jobs.siblings(&pods[1]), 1);
+        // A pod being deleted still has its Job's unfinished pods as siblings.
+        assert_eq!(jobs.siblings(&pods[2]), 2);
+        assert_eq!(jobs.siblings(&pods[3]), 0);
+        assert_eq!(jobs.siblings(&pods[4]), 0);
+        assert_eq!(jobs.siblings(&pods[5]), 0);
+        // A pod the snapshot does not hold yet counts every unfinished pod of its Job.
+        assert_eq!(jobs.siblings(&job_pod("ml", "new", Some("j1"), false)), 2);
+    }
 }
