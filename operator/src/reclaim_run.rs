@@ -690,7 +690,7 @@ mod tests {
                         ..OwnerReference::default()
                     }]
                 }),
-                deletion_timestamp: deleting.then(|| Time(Timestamp::UNIX_EPOCH)),
+                deletion_timestamp: deleting.then_some(Time(Timestamp::UNIX_EPOCH)),
                 ..ObjectMeta::default()
             },
             ..Pod::default()
