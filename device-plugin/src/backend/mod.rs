@@ -86,6 +86,16 @@ pub trait GpuBackend: Send + Sync {
     ) -> Result<()>;
     /// MIG devices of a GPU, ordered by (GPU instance, compute instance).
     fn mig_devices(&self, gpu: u32) -> Result<Vec<MigDevice>>;
+    /// [`GpuBackend::mig_devices`] of a GPU whose MIG mode is on and whose `instances` were
+    /// just listed, which a backend may use instead of asking again.
+    fn mig_devices_of(
+        &self,
+        gpu: u32,
+        instances: &[(GpuInstance, Vec<ComputeInstance>)],
+    ) -> Result<Vec<MigDevice>> {
+        let _ = instances;
+        self.mig_devices(gpu)
+    }
     /// Utilization of a whole GPU. MIG-enabled GPUs answer [`Error::NotSupported`]; use
     /// [`GpuBackend::processes`] to see which MIG devices are busy.
     fn utilization(&self, gpu: u32) -> Result<Utilization>;
