@@ -379,7 +379,15 @@ fn health_events_and_recovery() {
         let mut events = b.health_events().unwrap();
         let mut step = |h: &dyn Harness, at: f64, t: &mut Vec<String>| {
             h.set_time(at);
-            let got = events.wait(Duration::ZERO).unwrap();
+            // Everything due by now: a wait may hand over queued events one at a time.
+            let mut got = Vec::new();
+            loop {
+                let batch = events.wait(Duration::ZERO).unwrap();
+                if batch.is_empty() {
+                    break;
+                }
+                got.extend(batch);
+            }
             t.push(format!("events at {at}: {got:?}"));
             for gpu in 0..3 {
                 t.push(line(&format!("health {gpu} at {at}"), &b.health(gpu)));
@@ -1161,6 +1169,30 @@ fn fake_event_wait_returns_a_fault_written_meanwhile() {
     });
     let kinds: Vec<_> = got.iter().map(|e| (e.gpu, e.kind)).collect();
     assert_eq!(kinds, vec![(2, HealthEventKind::Xid(48))]);
+}
+
+/// Two faults written at once reach the event subscription one per wait, neither lost: the
+/// first wait hands its event over without draining, the next finds the other queued.
+#[test]
+fn fake_event_wait_hands_over_queued_faults_one_by_one() {
+    let h = fake_harness(&fixture_path("faults.yaml"));
+    h.set_time(0.0);
+    let mut events = h.backend.health_events().unwrap();
+    assert!(events.wait(Duration::ZERO).unwrap().is_empty());
+    h.inject(Fault::gpu(1, FaultKind::Xid(48)));
+    h.inject(Fault::gpu(2, FaultKind::Xid(79)));
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let batch = events.wait(Duration::from_secs(60)).unwrap();
+        assert_eq!(batch.len(), 1, "{batch:?}");
+        seen.extend(batch.iter().map(|e| (e.gpu, e.kind)));
+    }
+    seen.sort_by_key(|(gpu, _)| *gpu);
+    assert_eq!(
+        seen,
+        vec![(1, HealthEventKind::Xid(48)), (2, HealthEventKind::Xid(79))]
+    );
+    assert!(events.wait(Duration::ZERO).unwrap().is_empty());
 }
 
 /// The inventory read twice, with a GPU instance destroyed and one of another profile made in

@@ -112,8 +112,9 @@ pub trait GpuBackend: Send + Sync {
 
 /// A subscription to health events.
 pub trait HealthEvents: Send {
-    /// Returns the events that arrived, waiting up to `timeout` for the first one. An empty
-    /// vector means none arrived in time.
+    /// Returns events that arrived, waiting up to `timeout` for the first one; a backend may
+    /// hand over one per call, so as not to hold the first back, and callers wait again for
+    /// the rest (a queued event answers at once). An empty vector means none arrived in time.
     fn wait(&mut self, timeout: Duration) -> Result<Vec<HealthEvent>>;
 }
 

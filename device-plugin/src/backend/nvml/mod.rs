@@ -611,20 +611,21 @@ impl NvmlEvents<'_> {
 }
 
 impl HealthEvents for NvmlEvents<'_> {
+    /// One event per call, handed over as soon as the driver gives it: draining the queue
+    /// first would put another NVML call between the fault and the plugins' Unhealthy, and
+    /// the caller waits again at once, which a queued event answers without blocking.
     fn wait(&mut self, timeout: Duration) -> Result<Vec<HealthEvent>> {
         let raw = self.backend.raw();
-        let mut out = Vec::new();
-        let mut timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+        let timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
         loop {
             match raw.event_wait(self.set, timeout_ms) {
                 Ok(Some(e)) => {
                     if let Some(event) = self.convert(e)? {
-                        out.push(event);
+                        return Ok(vec![event]);
                     }
-                    // Drain what is already queued without waiting again.
-                    timeout_ms = 0;
+                    // A type we did not ask for: wait for the next one.
                 }
-                Ok(None) => return Ok(out),
+                Ok(None) => return Ok(Vec::new()),
                 Err(e) => {
                     return Err(self
                         .backend
