@@ -59,7 +59,8 @@ impl Inventory {
                     let cis = backend.compute_instances(index, gi.id)?;
                     instances.push((gi, cis));
                 }
-                (instances, backend.mig_devices(index)?)
+                let mig_devices = backend.mig_devices_of(index, &instances)?;
+                (instances, mig_devices)
             } else {
                 (Vec::new(), Vec::new())
             };

@@ -18,6 +18,7 @@ use gpupool_device_plugin::backend::{
     GpuInstanceId, HealthEventKind, ManualSimClock, MigMode, MigModeChange, NvmlBackend,
     NvmlOptions, PcieLink, Placement, SimBackend,
 };
+use gpupool_device_plugin::inventory::Inventory;
 use gpupool_device_plugin::validate;
 use gpupool_mig_catalog as catalog;
 use gpupool_sim::{Node, StateFile};
@@ -378,7 +379,15 @@ fn health_events_and_recovery() {
         let mut events = b.health_events().unwrap();
         let mut step = |h: &dyn Harness, at: f64, t: &mut Vec<String>| {
             h.set_time(at);
-            let got = events.wait(Duration::ZERO).unwrap();
+            // Everything due by now: a wait may hand over queued events one at a time.
+            let mut got = Vec::new();
+            loop {
+                let batch = events.wait(Duration::ZERO).unwrap();
+                if batch.is_empty() {
+                    break;
+                }
+                got.extend(batch);
+            }
             t.push(format!("events at {at}: {got:?}"));
             for gpu in 0..3 {
                 t.push(line(&format!("health {gpu} at {at}"), &b.health(gpu)));
@@ -1160,4 +1169,78 @@ fn fake_event_wait_returns_a_fault_written_meanwhile() {
     });
     let kinds: Vec<_> = got.iter().map(|e| (e.gpu, e.kind)).collect();
     assert_eq!(kinds, vec![(2, HealthEventKind::Xid(48))]);
+}
+
+/// Two faults written at once reach the event subscription one per wait, neither lost: the
+/// first wait hands its event over without draining, the next finds the other queued.
+#[test]
+fn fake_event_wait_hands_over_queued_faults_one_by_one() {
+    let h = fake_harness(&fixture_path("faults.yaml"));
+    h.set_time(0.0);
+    let mut events = h.backend.health_events().unwrap();
+    assert!(events.wait(Duration::ZERO).unwrap().is_empty());
+    h.inject(Fault::gpu(1, FaultKind::Xid(48)));
+    h.inject(Fault::gpu(2, FaultKind::Xid(79)));
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let batch = events.wait(Duration::from_secs(60)).unwrap();
+        assert_eq!(batch.len(), 1, "{batch:?}");
+        seen.extend(batch.iter().map(|e| (e.gpu, e.kind)));
+    }
+    seen.sort_by_key(|(gpu, _)| *gpu);
+    assert_eq!(
+        seen,
+        vec![(1, HealthEventKind::Xid(48)), (2, HealthEventKind::Xid(79))]
+    );
+    assert!(events.wait(Duration::ZERO).unwrap().is_empty());
+}
+
+/// The inventory read twice, with a GPU instance destroyed and one of another profile made in
+/// between (its ID reused): what the NVML backend remembers of profiles between reads must
+/// not leak into the second read.
+#[test]
+fn inventory_after_a_relayout() {
+    conform("h100-8x.yaml", |h| {
+        let b = h.backend();
+        let gpu = 1;
+        let mut t = Vec::new();
+        assert_eq!(b.set_mig_mode(gpu, true).unwrap(), MigModeChange::Applied);
+        let profiles = b.gpu_instance_profiles(gpu).unwrap();
+        let by_name = |n: &str| profiles.iter().find(|p| p.name.as_str() == n).unwrap();
+        let make = |name: &str, slices: &[u32]| {
+            let p = by_name(name);
+            let gi = b.create_gpu_instance(gpu, p.id, None).unwrap();
+            let cips = b.compute_instance_profiles(gpu, gi.id).unwrap();
+            let cis: Vec<_> = slices
+                .iter()
+                .map(|s| {
+                    let cip = cips.iter().find(|c| c.slice_count == *s).unwrap();
+                    b.create_compute_instance(gpu, gi.id, cip.id).unwrap()
+                })
+                .collect();
+            (gi, cis)
+        };
+        let (first, cis) = make("1g.10gb", &[1]);
+        let inventory = Inventory::read(b).unwrap();
+        t.push(format!("first: {:?}", inventory.gpus[gpu as usize]));
+        for ci in &cis {
+            b.destroy_compute_instance(gpu, first.id, ci.id).unwrap();
+        }
+        b.destroy_gpu_instance(gpu, first.id).unwrap();
+        // Two compute instances of one slice on a 2g.20gb: MIG devices 1c.2g.20gb.
+        let (second, _) = make("2g.20gb", &[1, 1]);
+        t.push(format!("ids: {:?} then {:?}", first.id, second.id));
+        let again = Inventory::read(b).unwrap();
+        let snapshot = &again.gpus[gpu as usize];
+        t.push(format!("second: {snapshot:?}"));
+        let names: Vec<&str> = snapshot
+            .mig_devices
+            .iter()
+            .map(|m| m.profile.as_str())
+            .collect();
+        assert_eq!(names, vec!["1c.2g.20gb", "1c.2g.20gb"]);
+        assert_eq!(snapshot.instances.len(), 1);
+        assert_eq!(snapshot.instances[0].1.len(), 2);
+        t
+    });
 }

@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use super::advertise::{MigIds, MigParents};
 use super::{AgentError, blocking};
 use crate::backend::{self, GpuBackend, HealthEventKind as BackendEventKind};
-use crate::plugin::{HealthEvent, HealthEventKind, HealthProbe, HealthTarget};
+use crate::plugin::{HealthEvent, HealthEventKind, HealthProbe, HealthTarget, PluginRuntime};
 use crate::xid;
 
 /// An Xid NVML reported, for the validation ledger and the metrics.
@@ -67,6 +67,7 @@ pub type Notice = Option<XidSeen>;
 /// monitor (`events`) and the loop (`notices`). Ends when the stream does.
 pub fn spawn_forwarder(
     tasks: &mut tokio::task::JoinSet<Result<(), AgentError>>,
+    runtime: &Arc<PluginRuntime>,
     backend: Arc<dyn GpuBackend>,
     stop: Arc<AtomicBool>,
     mig_ids: Arc<RwLock<MigIds>>,
@@ -75,7 +76,8 @@ pub fn spawn_forwarder(
 ) {
     let (mut raw, _thread) =
         backend::spawn_health_stream(backend, Duration::from_millis(500), stop);
-    tasks.spawn(async move {
+    // On the kubelet-facing thread, beside the monitor it feeds.
+    let forward = runtime.spawn(async move {
         while let Some(event) = raw.recv().await {
             let event = match event {
                 Ok(e) => e,
@@ -94,7 +96,12 @@ pub fn spawn_forwarder(
             }
             let _ = notices.send(xid).await;
         }
-        Ok(())
+        Ok::<(), AgentError>(())
+    });
+    tasks.spawn(async move {
+        forward
+            .await
+            .map_err(|e| AgentError::Task("health forwarder", e.to_string()))?
     });
 }
 

@@ -48,7 +48,9 @@ pub use advertise::{advertisement, cdi_naming};
 
 use crate::backend::GpuBackend;
 use crate::metrics_http::AgentMetrics;
-use crate::plugin::{self, Advertisement, CdiKind, HealthMonitor, HealthPolicy, PluginConfig};
+use crate::plugin::{
+    self, Advertisement, CdiKind, HealthMonitor, HealthPolicy, PluginConfig, PluginRuntime,
+};
 use health::{BackendProbe, Notice};
 use reconcile::NodeState;
 
@@ -111,6 +113,21 @@ pub enum AgentError {
     /// A task panicked or was cancelled unexpectedly.
     #[error("task {0} ended: {1}")]
     Task(&'static str, String),
+    /// The kubelet-facing thread could not be started.
+    #[error("starting the kubelet plugin thread: {0}")]
+    PluginThread(#[source] std::io::Error),
+}
+
+/// Runs `task` on the kubelet-facing thread and waits for it from the caller's runtime.
+async fn on_plugin_thread(
+    runtime: &PluginRuntime,
+    name: &'static str,
+    task: impl std::future::Future<Output = Result<(), AgentError>> + Send + 'static,
+) -> Result<(), AgentError> {
+    runtime
+        .spawn(task)
+        .await
+        .map_err(|e| AgentError::Task(name, e.to_string()))?
 }
 
 /// Runs `f` on the blocking pool with the backend (NVML calls block).
@@ -186,6 +203,8 @@ impl Agent {
         let (health_tx, mut health_rx) = watch::channel(Advertisement::default());
         let mut tasks = tokio::task::JoinSet::new();
         let stop_health = Arc::new(AtomicBool::new(false));
+        // Health forwarding, the monitor and the plugin servers: one thread of their own.
+        let kubelet_side = Arc::new(PluginRuntime::start().map_err(AgentError::PluginThread)?);
 
         if let Ok(backend) = &self.backend {
             let topology = blocking(backend, advertise::read_topology)
@@ -195,6 +214,7 @@ impl Agent {
             let (events_tx, events_rx) = mpsc::channel(256);
             health::spawn_forwarder(
                 &mut tasks,
+                &kubelet_side,
                 backend.clone(),
                 stop_health.clone(),
                 state.mig_ids.clone(),
@@ -209,9 +229,13 @@ impl Agent {
                 HealthMonitor::new(self.config.health_policy(), self.metrics.plugin.clone())
                     .with_probe(Arc::new(probe));
             let c = cancel.clone();
+            let side = kubelet_side.clone();
             tasks.spawn(async move {
-                monitor.run(layout_rx, events_rx, health_tx, c).await;
-                Ok(())
+                on_plugin_thread(&side, "health monitor", async move {
+                    monitor.run(layout_rx, events_rx, health_tx, c).await;
+                    Ok(())
+                })
+                .await
             });
         }
 
@@ -269,10 +293,14 @@ impl Agent {
                 let rx = health_tx_subscribe(&health_rx);
                 let metrics = self.metrics.plugin.clone();
                 let c = cancel.clone();
+                let side = kubelet_side.clone();
                 tasks.spawn(async move {
-                    plugin::run_plugins(config, rx, metrics, c)
-                        .await
-                        .map_err(AgentError::from)
+                    on_plugin_thread(&side, "kubelet plugins", async move {
+                        plugin::run_plugins(config, rx, metrics, c)
+                            .await
+                            .map_err(AgentError::from)
+                    })
+                    .await
                 });
                 plugins_started = true;
             }

@@ -86,6 +86,16 @@ pub trait GpuBackend: Send + Sync {
     ) -> Result<()>;
     /// MIG devices of a GPU, ordered by (GPU instance, compute instance).
     fn mig_devices(&self, gpu: u32) -> Result<Vec<MigDevice>>;
+    /// [`GpuBackend::mig_devices`] of a GPU whose MIG mode is on and whose `instances` were
+    /// just listed, which a backend may use instead of asking again.
+    fn mig_devices_of(
+        &self,
+        gpu: u32,
+        instances: &[(GpuInstance, Vec<ComputeInstance>)],
+    ) -> Result<Vec<MigDevice>> {
+        let _ = instances;
+        self.mig_devices(gpu)
+    }
     /// Utilization of a whole GPU. MIG-enabled GPUs answer [`Error::NotSupported`]; use
     /// [`GpuBackend::processes`] to see which MIG devices are busy.
     fn utilization(&self, gpu: u32) -> Result<Utilization>;
@@ -102,8 +112,9 @@ pub trait GpuBackend: Send + Sync {
 
 /// A subscription to health events.
 pub trait HealthEvents: Send {
-    /// Returns the events that arrived, waiting up to `timeout` for the first one. An empty
-    /// vector means none arrived in time.
+    /// Returns events that arrived, waiting up to `timeout` for the first one; a backend may
+    /// hand over one per call, so as not to hold the first back, and callers wait again for
+    /// the rest (a queued event answers at once). An empty vector means none arrived in time.
     fn wait(&mut self, timeout: Duration) -> Result<Vec<HealthEvent>>;
 }
 

@@ -9,6 +9,10 @@
 //!    publishes the advertisement with health applied on a second `watch` channel.
 //! 3. [`run_plugins`] serves the second channel to the kubelet until cancelled.
 //!
+//! The agent runs 2 and 3 (and the forwarding of NVML events into 2) on a [`PluginRuntime`],
+//! one thread of their own, so an event reaches `ListAndWatch` and an `Allocate` is answered
+//! without waking other threads.
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use gpupool_device_plugin::plugin::*;
@@ -47,6 +51,7 @@ pub mod manager;
 pub mod metrics;
 pub mod model;
 pub mod resources;
+pub mod runtime;
 mod server;
 pub mod sharing;
 #[cfg(any(test, feature = "testing"))]
@@ -65,6 +70,7 @@ pub use model::{
     AdvertisedDevice, Advertisement, CdiKind, DeviceId, Health, LinkKind, ResourceName, Topology,
 };
 pub use resources::{CdiNaming, GpuDescription, MigDescription, MigStrategy, resource_sets};
+pub use runtime::PluginRuntime;
 pub use server::{connect_unix, plugin_options};
 
 /// Errors at the plugin's edges (sockets, gRPC).

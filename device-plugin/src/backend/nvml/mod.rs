@@ -52,6 +52,9 @@ impl NvmlOptions {
     }
 }
 
+/// A compute-instance profile as the driver gave it: (ID, slices, most instances).
+type CiProfileRead = (u32, u32, u32);
+
 /// The NVIDIA driver, through NVML.
 pub struct NvmlBackend {
     nvml: Nvml,
@@ -61,6 +64,14 @@ pub struct NvmlBackend {
     /// The newest per-process sample timestamp seen per GPU (CPU microseconds, NVML's clock),
     /// so each call asks only for the samples since the previous one.
     process_samples_seen: Mutex<HashMap<u32, u64>>,
+    /// Each GPU's GPU-instance profiles, read once: they are the hardware's (the GPU model's
+    /// slices and memory), the same whatever the layout, and reading them is one NVML call
+    /// per profile NVML knows (18), made by every MIG listing.
+    gi_profiles_read: Mutex<HashMap<u32, Vec<(u32, raw::GiProfileInfo)>>>,
+    /// The compute-instance profiles a GPU instance of a profile offers, per (GPU, GPU-instance
+    /// profile ID), as (ID, slices, most instances), read once for the same reason: nine NVML
+    /// calls per GPU instance listed otherwise.
+    ci_profiles_read: Mutex<HashMap<(u32, u32), Vec<CiProfileRead>>>,
 }
 
 impl Drop for NvmlBackend {
@@ -124,6 +135,8 @@ impl NvmlBackend {
                         nvml,
                         gpm_baselines: Mutex::new(HashMap::new()),
                         process_samples_seen: Mutex::new(HashMap::new()),
+                        gi_profiles_read: Mutex::new(HashMap::new()),
+                        ci_profiles_read: Mutex::new(HashMap::new()),
                     });
                 }
                 // Not loadable under this name: try the next.
@@ -159,6 +172,160 @@ impl NvmlBackend {
                 })
             })
             .collect()
+    }
+
+    /// MIG devices of a GPU. With `known`, the GPU's instances as just listed (MIG mode on),
+    /// each device's profile comes from there instead of four more NVML calls per device.
+    fn list_mig_devices(
+        &self,
+        gpu: u32,
+        known: Option<&[(GpuInstance, Vec<ComputeInstance>)]>,
+    ) -> Result<Vec<MigDevice>> {
+        let op = "listing MIG devices";
+        let t = || gpu_target(gpu);
+        let d = self.dev(op, gpu)?;
+        let parent: super::GpuUuid = d.uuid().map_err(|e| wrapper_error(op, t(), e))?.parse()?;
+        let model = self.catalog_model(&d);
+        // SAFETY: see `handle`.
+        let h = unsafe { d.handle() };
+        if known.is_none() {
+            let (current, _) = self
+                .raw()
+                .mig_mode(h)
+                .map_err(|e| self.raw_error(op, t(), e))?;
+            if !current {
+                return Err(Error::new(
+                    ErrorKind::NotSupported,
+                    op,
+                    t(),
+                    "MIG mode is not enabled".to_owned(),
+                ));
+            }
+        }
+        // MIG mode is on (checked above, or the caller listed its instances).
+        let profiles = self.gi_profiles_of_mig_gpu(gpu, op)?;
+        let max = self
+            .raw()
+            .max_mig_devices(h)
+            .map_err(|e| self.raw_error(op, t(), e))?;
+        let mut out = Vec::new();
+        for index in 0..max {
+            let mig = match self.raw().mig_device_by_index(h, index) {
+                Ok(m) => m,
+                // Empty slots answer NOT_FOUND; indices need not be dense.
+                Err(e)
+                    if matches!(
+                        e.code(),
+                        sys::nvmlReturn_enum_NVML_ERROR_NOT_FOUND
+                            | sys::nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT
+                    ) =>
+                {
+                    continue;
+                }
+                Err(e) => return Err(self.raw_error(op, t(), e)),
+            };
+            let uuid = self
+                .raw()
+                .uuid(mig)
+                .map_err(|e| self.raw_error(op, t(), e))?
+                .parse()?;
+            let (gi, ci) = self
+                .raw()
+                .mig_device_ids(mig)
+                .map_err(|e| self.raw_error(op, t(), e))?;
+            // The profiles from the instances just listed; from the driver when this device's
+            // instances are not among them (the layout changed in between).
+            let listed = known.and_then(|instances| {
+                let (g, cis) = instances.iter().find(|(g, _)| g.id.0 == gi)?;
+                let c = cis.iter().find(|c| c.id.0 == ci)?;
+                Some((g.profile_id.0, c.profile_id.0, c.placement.size))
+            });
+            let (gi_profile, ci_profile, ci_size) = match listed {
+                Some(ids) => ids,
+                None => {
+                    let gi_handle = self.gi_handle(op, gpu, GpuInstanceId(gi))?;
+                    let gi_info = self
+                        .raw()
+                        .gi_info(gi_handle)
+                        .map_err(|e| self.raw_error(op, t(), e))?;
+                    let ci_info = self
+                        .raw()
+                        .compute_instance_by_id(gi_handle, ci)
+                        .and_then(|c| self.raw().ci_info(c))
+                        .map_err(|e| self.raw_error(op, t(), e))?;
+                    (gi_info.profile_id, ci_info.profile_id, ci_info.size)
+                }
+            };
+            let (nvml_profile, info) = profiles
+                .iter()
+                .find(|(_, i)| i.id == gi_profile)
+                .ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::Driver,
+                        op,
+                        t(),
+                        format!("GPU instance {gi} has unknown profile ID {gi_profile}"),
+                    )
+                })?;
+            let gi_name = self.profile_name(model, *nvml_profile, info)?;
+            let ci_slices = ci_profile_slices(ci_profile).unwrap_or(ci_size);
+            let profile = if ci_slices == info.slice_count {
+                gi_name
+            } else {
+                format!("{ci_slices}c.{gi_name}").parse()?
+            };
+            out.push(MigDevice {
+                uuid,
+                gpu,
+                parent: parent.clone(),
+                gpu_instance: GpuInstanceId(gi),
+                compute_instance: ComputeInstanceId(ci),
+                profile,
+                memory_mib: info.memory_size_mb,
+            });
+        }
+        out.sort_by_key(|m| (m.gpu_instance, m.compute_instance));
+        Ok(out)
+    }
+
+    /// The compute-instance profiles (ID, slices, most instances) GPU instance `gi` offers,
+    /// skipping those it lacks; from the driver the first time a GPU instance of its profile
+    /// is asked about on this GPU, then remembered.
+    fn ci_profiles(
+        &self,
+        op: &'static str,
+        gpu: u32,
+        gi: GpuInstanceId,
+        handle: sys::nvmlGpuInstance_t,
+    ) -> Result<Vec<CiProfileRead>> {
+        let target = || format!("GPU {gpu} GPU instance {gi}");
+        let gi_profile = self
+            .raw()
+            .gi_info(handle)
+            .map_err(|e| self.raw_error(op, target(), e))?
+            .profile_id;
+        let lock = || {
+            self.ci_profiles_read
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+        };
+        if let Some(known) = lock().get(&(gpu, gi_profile)) {
+            return Ok(known.clone());
+        }
+        let mut read = Vec::new();
+        for profile in 0..catalog::nvml_ci_profile::COUNT {
+            match self.raw().ci_profile_info(handle, profile) {
+                Ok(p) => read.push(p),
+                Err(e)
+                    if e.is_not_supported()
+                        || e.code() == sys::nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT => {}
+                Err(e) => return Err(self.raw_error(op, target(), e)),
+            }
+        }
+        if !read.is_empty() {
+            lock().insert((gpu, gi_profile), read.clone());
+        }
+        Ok(read)
     }
 
     fn raw(&self) -> Raw<'_> {
@@ -214,8 +381,42 @@ impl NvmlBackend {
             .and_then(|n| catalog::model_by_product_name(&n))
     }
 
-    /// GPU-instance profiles as (NVML enum, info), skipping those the GPU lacks.
+    fn gi_profiles_lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<u32, Vec<(u32, raw::GiProfileInfo)>>> {
+        self.gi_profiles_read
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// [`Self::gi_profiles`] for a GPU whose MIG mode is on: as last read, when they were.
+    /// (Only with MIG on, where the driver always lists them; with it off it may list none.)
+    fn gi_profiles_of_mig_gpu(
+        &self,
+        gpu: u32,
+        op: &'static str,
+    ) -> Result<Vec<(u32, raw::GiProfileInfo)>> {
+        if let Some(known) = self.gi_profiles_lock().get(&gpu) {
+            return Ok(known.clone());
+        }
+        self.gi_profiles(gpu, op)
+    }
+
+    /// GPU-instance profiles as (NVML enum, info), skipping those the GPU lacks; remembered
+    /// for [`Self::gi_profiles_of_mig_gpu`] when there are some.
     fn gi_profiles(&self, gpu: u32, op: &'static str) -> Result<Vec<(u32, raw::GiProfileInfo)>> {
+        let read = self.read_gi_profiles(gpu, op)?;
+        if !read.is_empty() {
+            self.gi_profiles_lock().insert(gpu, read.clone());
+        }
+        Ok(read)
+    }
+
+    fn read_gi_profiles(
+        &self,
+        gpu: u32,
+        op: &'static str,
+    ) -> Result<Vec<(u32, raw::GiProfileInfo)>> {
         let h = self.handle(op, gpu)?;
         let mut out = Vec::new();
         for nvml_profile in 0..catalog::nvml_gi_profile::COUNT {
@@ -410,20 +611,21 @@ impl NvmlEvents<'_> {
 }
 
 impl HealthEvents for NvmlEvents<'_> {
+    /// One event per call, handed over as soon as the driver gives it: draining the queue
+    /// first would put another NVML call between the fault and the plugins' Unhealthy, and
+    /// the caller waits again at once, which a queued event answers without blocking.
     fn wait(&mut self, timeout: Duration) -> Result<Vec<HealthEvent>> {
         let raw = self.backend.raw();
-        let mut out = Vec::new();
-        let mut timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+        let timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
         loop {
             match raw.event_wait(self.set, timeout_ms) {
                 Ok(Some(e)) => {
                     if let Some(event) = self.convert(e)? {
-                        out.push(event);
+                        return Ok(vec![event]);
                     }
-                    // Drain what is already queued without waiting again.
-                    timeout_ms = 0;
+                    // A type we did not ask for: wait for the next one.
                 }
-                Ok(None) => return Ok(out),
+                Ok(None) => return Ok(Vec::new()),
                 Err(e) => {
                     return Err(self
                         .backend
@@ -674,22 +876,12 @@ impl GpuBackend for NvmlBackend {
         let op = "listing compute instance profiles";
         let handle = self.gi_handle(op, gpu, gi)?;
         let mut out: Vec<ComputeInstanceProfile> = Vec::new();
-        for profile in 0..catalog::nvml_ci_profile::COUNT {
-            match self.raw().ci_profile_info(handle, profile) {
-                Ok((id, slices, _)) => {
-                    if !out.iter().any(|p| p.id.0 == id) {
-                        out.push(ComputeInstanceProfile {
-                            id: CiProfileId(id),
-                            slice_count: slices,
-                        });
-                    }
-                }
-                Err(e)
-                    if e.is_not_supported()
-                        || e.code() == sys::nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT => {}
-                Err(e) => {
-                    return Err(self.raw_error(op, format!("GPU {gpu} GPU instance {gi}"), e));
-                }
+        for (id, slices, _) in self.ci_profiles(op, gpu, gi, handle)? {
+            if !out.iter().any(|p| p.id.0 == id) {
+                out.push(ComputeInstanceProfile {
+                    id: CiProfileId(id),
+                    slice_count: slices,
+                });
             }
         }
         Ok(out)
@@ -798,17 +990,7 @@ impl GpuBackend for NvmlBackend {
         let handle = self.gi_handle(op, gpu, gi)?;
         let target = || format!("GPU {gpu} GPU instance {gi}");
         let mut out = Vec::new();
-        for profile in 0..catalog::nvml_ci_profile::COUNT {
-            let (id, _, max) = match self.raw().ci_profile_info(handle, profile) {
-                Ok(p) => p,
-                Err(e)
-                    if e.is_not_supported()
-                        || e.code() == sys::nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT =>
-                {
-                    continue;
-                }
-                Err(e) => return Err(self.raw_error(op, target(), e)),
-            };
+        for (id, _, max) in self.ci_profiles(op, gpu, gi, handle)? {
             let handles = self
                 .raw()
                 .compute_instances(handle, id, max)
@@ -856,98 +1038,15 @@ impl GpuBackend for NvmlBackend {
     }
 
     fn mig_devices(&self, gpu: u32) -> Result<Vec<MigDevice>> {
-        let op = "listing MIG devices";
-        let t = || gpu_target(gpu);
-        let d = self.dev(op, gpu)?;
-        let parent: super::GpuUuid = d.uuid().map_err(|e| wrapper_error(op, t(), e))?.parse()?;
-        let model = self.catalog_model(&d);
-        // SAFETY: see `handle`.
-        let h = unsafe { d.handle() };
-        let (current, _) = self
-            .raw()
-            .mig_mode(h)
-            .map_err(|e| self.raw_error(op, t(), e))?;
-        if !current {
-            return Err(Error::new(
-                ErrorKind::NotSupported,
-                op,
-                t(),
-                "MIG mode is not enabled".to_owned(),
-            ));
-        }
-        let profiles = self.gi_profiles(gpu, op)?;
-        let max = self
-            .raw()
-            .max_mig_devices(h)
-            .map_err(|e| self.raw_error(op, t(), e))?;
-        let mut out = Vec::new();
-        for index in 0..max {
-            let mig = match self.raw().mig_device_by_index(h, index) {
-                Ok(m) => m,
-                // Empty slots answer NOT_FOUND; indices need not be dense.
-                Err(e)
-                    if matches!(
-                        e.code(),
-                        sys::nvmlReturn_enum_NVML_ERROR_NOT_FOUND
-                            | sys::nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT
-                    ) =>
-                {
-                    continue;
-                }
-                Err(e) => return Err(self.raw_error(op, t(), e)),
-            };
-            let uuid = self
-                .raw()
-                .uuid(mig)
-                .map_err(|e| self.raw_error(op, t(), e))?
-                .parse()?;
-            let (gi, ci) = self
-                .raw()
-                .mig_device_ids(mig)
-                .map_err(|e| self.raw_error(op, t(), e))?;
-            let gi_handle = self.gi_handle(op, gpu, GpuInstanceId(gi))?;
-            let gi_info = self
-                .raw()
-                .gi_info(gi_handle)
-                .map_err(|e| self.raw_error(op, t(), e))?;
-            let ci_info = self
-                .raw()
-                .compute_instance_by_id(gi_handle, ci)
-                .and_then(|c| self.raw().ci_info(c))
-                .map_err(|e| self.raw_error(op, t(), e))?;
-            let (nvml_profile, info) = profiles
-                .iter()
-                .find(|(_, i)| i.id == gi_info.profile_id)
-                .ok_or_else(|| {
-                    Error::new(
-                        ErrorKind::Driver,
-                        op,
-                        t(),
-                        format!(
-                            "GPU instance {gi} has unknown profile ID {}",
-                            gi_info.profile_id
-                        ),
-                    )
-                })?;
-            let gi_name = self.profile_name(model, *nvml_profile, info)?;
-            let ci_slices = ci_profile_slices(ci_info.profile_id).unwrap_or(ci_info.size);
-            let profile = if ci_slices == info.slice_count {
-                gi_name
-            } else {
-                format!("{ci_slices}c.{gi_name}").parse()?
-            };
-            out.push(MigDevice {
-                uuid,
-                gpu,
-                parent: parent.clone(),
-                gpu_instance: GpuInstanceId(gi),
-                compute_instance: ComputeInstanceId(ci),
-                profile,
-                memory_mib: info.memory_size_mb,
-            });
-        }
-        out.sort_by_key(|m| (m.gpu_instance, m.compute_instance));
-        Ok(out)
+        self.list_mig_devices(gpu, None)
+    }
+
+    fn mig_devices_of(
+        &self,
+        gpu: u32,
+        instances: &[(GpuInstance, Vec<ComputeInstance>)],
+    ) -> Result<Vec<MigDevice>> {
+        self.list_mig_devices(gpu, Some(instances))
     }
 
     fn utilization(&self, gpu: u32) -> Result<Utilization> {

@@ -4,8 +4,8 @@
 //! - CDI generation: wall time of `nvidia-ctk cdi generate` and of our `ours-cdi` child
 //!   (NVML through the fake, inventory, spec, validation, atomic write), each a fresh process.
 //! - start → registered: spawn to the first device list of the last resource registered.
-//! - Allocate p50/p99: 10,000 Allocates of 2 whole GPUs (`nvidia.com/gpu`) over the stand-in's
-//!   unix-socket client.
+//! - Allocate p50/p99: 10,000 Allocates of 2 whole GPUs (`nvidia.com/gpu`) over a unix-socket
+//!   gRPC client of their own, on a single-threaded runtime (see `allocate_loop`).
 //! - health event → ListAndWatch: an Xid 79 written into the fake's state file (as the driver
 //!   would raise it) until the stand-in sees that GPU Unhealthy. Both plugins learn of it
 //!   through `nvmlEventSetWait` on the fake, which wakes on the state file's write (inotify),
@@ -121,34 +121,29 @@ pub async fn run(tools: &Tools, work: &Path) -> Result<()> {
         f.rss_registered_kib = vm_rss_kib(running.pid);
         let mut ids: Vec<String> = devices.iter().map(|d| d.id.clone()).collect();
         ids.sort();
-        let mut client = running
+        let registration = running
             .kubelet
-            .client(RESOURCE)
-            .context("no client for nvidia.com/gpu")?;
-        for n in 0..ALLOCATES {
-            let request = gpupool_device_plugin::plugin::api::v1beta1::AllocateRequest {
-                container_requests: vec![
-                    gpupool_device_plugin::plugin::api::v1beta1::ContainerAllocateRequest {
-                        devices_ids: vec![
-                            ids[n % ids.len()].clone(),
-                            ids[(n + 1) % ids.len()].clone(),
-                        ],
-                    },
-                ],
-            };
-            let t = Instant::now();
-            client.allocate(request).await?;
-            f.allocate.push(t.elapsed());
-        }
+            .registrations()
+            .into_iter()
+            .find(|r| r.resource_name == RESOURCE)
+            .context("no registration for nvidia.com/gpu")?;
+        let socket = running
+            .kubelet
+            .socket_path()
+            .parent()
+            .context("kubelet socket without a directory")?
+            .join(&registration.endpoint);
+        f.allocate = tokio::task::spawn_blocking(move || allocate_loop(&socket, &ids)).await??;
         f.rss_after_kib = vm_rss_kib(running.pid);
 
         // The advertised IDs carry no GPU index; count Unhealthy devices instead.
         let unhealthy = |list: &[gpupool_device_plugin::plugin::api::v1beta1::Device]| {
             list.iter().filter(|d| d.health == "Unhealthy").count()
         };
+        let injector = node::FaultInjector::open(&node)?;
         for (n, gpu) in HEALTH_GPUS.into_iter().enumerate() {
             let t = Instant::now();
-            node::inject_xid(&node, gpu, 79)?;
+            injector.xid(gpu, 79)?;
             let seen = running
                 .kubelet
                 .wait_devices(RESOURCE, HEALTH_TIMEOUT, |list| unhealthy(list) > n)
@@ -168,6 +163,36 @@ pub async fn run(tools: &Tools, work: &Path) -> Result<()> {
     node::reset_all(&node)?;
     print_table(&figures);
     Ok(())
+}
+
+/// [`ALLOCATES`] Allocates of two GPUs each, timed one by one, from a client of its own on a
+/// single-threaded runtime on this thread (the same for both plugins): the stand-in's client
+/// lives on the multi-threaded runtime, where each call also hops between its worker threads,
+/// a cost that would sit in both figures alike and hide the servers' difference.
+fn allocate_loop(socket: &Path, ids: &[String]) -> Result<Vec<Duration>> {
+    use gpupool_device_plugin::plugin::api::v1beta1::device_plugin_client::DevicePluginClient;
+    use gpupool_device_plugin::plugin::api::v1beta1::{AllocateRequest, ContainerAllocateRequest};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let channel = gpupool_device_plugin::plugin::connect_unix(socket, Duration::from_secs(5))
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut client = DevicePluginClient::new(channel);
+        let mut samples = Vec::with_capacity(ALLOCATES);
+        for n in 0..ALLOCATES {
+            let request = AllocateRequest {
+                container_requests: vec![ContainerAllocateRequest {
+                    devices_ids: vec![ids[n % ids.len()].clone(), ids[(n + 1) % ids.len()].clone()],
+                }],
+            };
+            let t = Instant::now();
+            client.allocate(request).await?;
+            samples.push(t.elapsed());
+        }
+        Ok(samples)
+    })
 }
 
 fn print_table(figures: &BTreeMap<Side, Figures>) {

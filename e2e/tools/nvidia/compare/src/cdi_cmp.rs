@@ -169,7 +169,7 @@ pub fn ours_cdi(node_dir: &Path, spec_dir: &Path) -> Result<PathBuf> {
     };
     let outcome = generate_and_write(
         &inventory,
-        &DriverRoot::direct(&node.root()),
+        &DriverRoot::direct(node.root()),
         spec_dir,
         &options,
     )?;

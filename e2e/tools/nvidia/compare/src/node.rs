@@ -275,27 +275,42 @@ fn sim_state(node: &FakeNode) -> Result<(model::Node, model::StateFile)> {
     Ok((sim, model::StateFile::at(node.dir.join("state.json"))))
 }
 
-/// Injects an Xid on a GPU "now", through the state file (as another process on the node
-/// would see a driver event).
-pub fn inject_xid(node: &FakeNode, gpu: u32, xid: u64) -> Result<()> {
-    let (sim, state) = sim_state(node)?;
-    state
-        .update(&sim, |s| {
-            let now = s.clock_s.unwrap_or(0.0);
-            s.inject(
-                &sim,
-                model::FaultFixture {
-                    at: now,
-                    gpu,
-                    fault: model::FaultKind::Xid(xid),
-                    gpu_instance: None,
-                    compute_instance: None,
-                },
-                now,
-            )
-        })
-        .map_err(|e| anyhow::anyhow!("injecting Xid {xid} on GPU {gpu}: {e}"))?;
-    Ok(())
+/// Injects faults through the state file, as another process on the node would see a driver
+/// event. The fixture is loaded once, so a timed injection is the state file's write (the
+/// moment the driver would raise the event), not the fixture's parse.
+pub struct FaultInjector {
+    sim: model::Node,
+    state: model::StateFile,
+}
+
+impl FaultInjector {
+    /// Loads the node's fixture.
+    pub fn open(node: &FakeNode) -> Result<FaultInjector> {
+        let (sim, state) = sim_state(node)?;
+        Ok(FaultInjector { sim, state })
+    }
+
+    /// Injects an Xid on a GPU "now".
+    pub fn xid(&self, gpu: u32, xid: u64) -> Result<()> {
+        let sim = &self.sim;
+        self.state
+            .update(sim, |s| {
+                let now = s.clock_s.unwrap_or(0.0);
+                s.inject(
+                    sim,
+                    model::FaultFixture {
+                        at: now,
+                        gpu,
+                        fault: model::FaultKind::Xid(xid),
+                        gpu_instance: None,
+                        compute_instance: None,
+                    },
+                    now,
+                )
+            })
+            .map_err(|e| anyhow::anyhow!("injecting Xid {xid} on GPU {gpu}: {e}"))?;
+        Ok(())
+    }
 }
 
 /// Clears every injected fault (a GPU reset of each GPU).

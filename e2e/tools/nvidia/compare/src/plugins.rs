@@ -27,7 +27,7 @@ use gpupool_device_plugin::plugin::api::v1beta1::{
 use gpupool_device_plugin::plugin::testing::{KubeletEvent, KubeletStandin};
 use gpupool_device_plugin::plugin::{
     HealthEvent, HealthEventKind, HealthMonitor, HealthPolicy, HealthTarget, PluginConfig,
-    PluginMetrics, Topology, run_plugins,
+    PluginMetrics, PluginRuntime, Topology, run_plugins,
 };
 use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, watch};
@@ -345,7 +345,9 @@ pub async fn serve_ours(node_dir: &Path, plugin_dir: &Path, strategy: &str) -> R
     let (_layout_tx, layout_rx) = watch::channel(advertisement.clone());
     let (events_tx, events_rx) = mpsc::channel(256);
     let (health_tx, health_rx) = watch::channel(advertisement);
-    let monitor = tokio::spawn(
+    // As the agent runs them: forwarding, monitor and servers on one thread of their own.
+    let kubelet_side = PluginRuntime::start()?;
+    let monitor = kubelet_side.spawn(
         HealthMonitor::new(HealthPolicy::default(), metrics.clone()).run(
             layout_rx,
             events_rx,
@@ -356,7 +358,7 @@ pub async fn serve_ours(node_dir: &Path, plugin_dir: &Path, strategy: &str) -> R
     let stop = Arc::new(AtomicBool::new(false));
     let (mut raw, _thread) =
         backend::spawn_health_stream(backend.clone(), Duration::from_millis(500), stop.clone());
-    let forward = tokio::spawn(async move {
+    let forward = kubelet_side.spawn(async move {
         while let Some(Ok(event)) = raw.recv().await {
             let kind = match event.kind {
                 BackendKind::Xid(79) => HealthEventKind::GpuLost,
@@ -377,7 +379,7 @@ pub async fn serve_ours(node_dir: &Path, plugin_dir: &Path, strategy: &str) -> R
             }
         }
     });
-    let plugins = tokio::spawn(run_plugins(
+    let plugins = kubelet_side.spawn(run_plugins(
         PluginConfig::with_plugin_dir(plugin_dir),
         health_rx,
         metrics,
