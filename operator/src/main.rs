@@ -167,8 +167,17 @@ fn on_signal(token: CancellationToken) -> tokio::task::JoinHandle<()> {
     })
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
+    // Before the runtime starts its threads (see gpupool_operator::alloc).
+    gpupool_operator::alloc::limit_arenas();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(run())
+}
+
+async fn run() -> Result<()> {
     let args = Args::parse();
     // Heap profile of the whole run, written when main returns (after SIGTERM).
     #[cfg(feature = "dhat-heap")]
