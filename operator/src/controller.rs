@@ -837,8 +837,6 @@ pub async fn run(
         ctx.settings.accounting_interval,
     ));
 
-    let trimmer = tokio::spawn(trim_heap(ctx.clone()));
-
     let shutdown_signal = shutdown.clone();
     controller
         .watches_stream(node_stream, node_to_pools)
@@ -855,34 +853,8 @@ pub async fn run(
         .await;
     side.abort();
     accounting.abort();
-    trimmer.abort();
     metrics.pools.set_caches(None);
     Ok(())
-}
-
-/// Gives the heap's free pages back to the kernel once every cache has its initial list (the
-/// decoding of which is the largest transient) and then every [`crate::alloc::TRIM_INTERVAL`],
-/// which also catches what a first reconcile of a large pool freed.
-async fn trim_heap(ctx: Arc<Context>) {
-    let synced = futures::join!(
-        ctx.nodes.wait_until_ready(),
-        ctx.gpunodes.wait_until_ready(),
-        ctx.pods.wait_until_ready(),
-        ctx.namespaces.wait_until_ready(),
-    );
-    if synced.0.is_err() || synced.1.is_err() || synced.2.is_err() || synced.3.is_err() {
-        return;
-    }
-    let mut tick = tokio::time::interval(crate::alloc::TRIM_INTERVAL);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let started = std::time::Instant::now();
-        match tokio::task::spawn_blocking(crate::alloc::trim).await {
-            Ok(released) => debug!(released, took = ?started.elapsed(), "heap trimmed"),
-            Err(e) => warn!(error = %e, "the heap trim task failed"),
-        }
-    }
 }
 
 /// Samples the GpuNode cache every `interval` into the GPU-time counters (see

@@ -7,7 +7,6 @@
 //! hooks run.
 
 pub mod accounting;
-pub mod alloc;
 pub mod cache;
 pub mod context;
 pub mod controller;
