@@ -168,9 +168,13 @@ impl RealKubelet {
     }
 
     /// What a container of a pod wrote to stdout and stderr, from the log file the runtime keeps
-    /// for the kubelet (`<podLogsDir>/<ns>_<pod>_<uid>/<container>/<restart>.log`, CRI format:
+    /// for the kubelet (`<podLogsDir>/<ns>_<pod>_<uid>/<container>/<attempt>.log`, CRI format:
     /// `<time> <stream> <P|F> <text>`, partial lines joined). The API server cannot proxy logs
     /// here: the kubelet has no resolvable address.
+    ///
+    /// The latest attempt's file is read. The pod's phase can reach the API a moment before the
+    /// runtime's log file is where this looks, so a missing file is waited for (a few seconds)
+    /// before it is an error, and the error lists what the pod's log directory holds.
     pub fn container_log(&self, pod: &Pod, container: &str) -> Result<String> {
         let meta = &pod.metadata;
         let (ns, name, uid) = (
@@ -178,12 +182,27 @@ impl RealKubelet {
             meta.name.as_deref().context("pod without name")?,
             meta.uid.as_deref().context("pod without uid")?,
         );
-        let path = self
+        let pod_dir = self
             .state_dir
             .join("pod-logs")
-            .join(format!("{ns}_{name}_{uid}"))
-            .join(container)
-            .join("0.log");
+            .join(format!("{ns}_{name}_{uid}"));
+        let dir = pod_dir.join(container);
+        let deadline = std::time::Instant::now() + CONTAINER_LOG_WAIT;
+        let path = loop {
+            if let Some(path) = latest_attempt_log(&dir) {
+                break path;
+            }
+            if std::time::Instant::now() >= deadline {
+                bail!(
+                    "no container log for {ns}/{name} container {container} in {} after {:?}; \
+                     the pod's log directory holds: {}",
+                    dir.display(),
+                    CONTAINER_LOG_WAIT,
+                    list_tree(&pod_dir)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
         let text = fs::read_to_string(&path)
             .with_context(|| format!("reading container log {}", path.display()))?;
         Ok(parse_cri_log(&text))
@@ -789,6 +808,50 @@ pub fn parse_cri_log(text: &str) -> String {
     out
 }
 
+/// How long [`RealKubelet::container_log`] waits for a container's log file to appear.
+const CONTAINER_LOG_WAIT: Duration = Duration::from_secs(10);
+
+/// The `<attempt>.log` with the highest attempt in a container's log directory.
+fn latest_attempt_log(dir: &Path) -> Option<PathBuf> {
+    fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name();
+            let attempt: u32 = name.to_str()?.strip_suffix(".log")?.parse().ok()?;
+            Some((attempt, e.path()))
+        })
+        .max_by_key(|(attempt, _)| *attempt)
+        .map(|(_, path)| path)
+}
+
+/// Every path under `dir`, relative to it, for an error message ("(missing)" when `dir` is).
+fn list_tree(dir: &Path) -> String {
+    fn walk(dir: &Path, base: &Path, out: &mut Vec<String>) {
+        let Ok(entries) = fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.filter_map(|e| e.ok()) {
+            let path = e.path();
+            out.push(path.strip_prefix(base).unwrap_or(&path).display().to_string());
+            if path.is_dir() {
+                walk(&path, base, out);
+            }
+        }
+    }
+    if !dir.exists() {
+        return format!("{} (missing)", dir.display());
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out.sort();
+    if out.is_empty() {
+        "(nothing)".into()
+    } else {
+        out.join(", ")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -800,5 +863,18 @@ mod tests {
                     2026-12-03T12:22:48.3Z stderr F tial\n\
                     2026-12-03T12:22:48.4Z stdout F with spaces = x y\n";
         assert_eq!(parse_cri_log(text), "a=1\npartial\nwith spaces = x y\n");
+    }
+
+    #[test]
+    fn the_latest_attempt_log_is_read_and_others_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(latest_attempt_log(&dir.path().join("absent")), None);
+        assert_eq!(latest_attempt_log(dir.path()), None);
+        for f in ["0.log", "2.log", "10.log", "11.log.20261204-1", "x.log"] {
+            fs::write(dir.path().join(f), "").unwrap();
+        }
+        assert_eq!(latest_attempt_log(dir.path()), Some(dir.path().join("10.log")));
+        assert!(list_tree(dir.path()).contains("10.log"));
+        assert!(list_tree(&dir.path().join("absent")).ends_with("(missing)"));
     }
 }

@@ -125,7 +125,9 @@ async fn run_probe(
     )
     .await
     .with_context(|| format!("kubelet log: {}", kubelet.log.display()))?;
-    let log = kubelet.container_log(&done, "probe")?;
+    let log = kubelet
+        .container_log(&done, "probe")
+        .with_context(|| format!("{name} ended {}: {:?}", phase(&done), done.status))?;
     eprintln!(
         "e2e: {name} {} after {:.1}s; it printed:\n{log}",
         phase(&done),
