@@ -833,7 +833,12 @@ fn list_tree(dir: &Path) -> String {
         };
         for e in entries.filter_map(|e| e.ok()) {
             let path = e.path();
-            out.push(path.strip_prefix(base).unwrap_or(&path).display().to_string());
+            out.push(
+                path.strip_prefix(base)
+                    .unwrap_or(&path)
+                    .display()
+                    .to_string(),
+            );
             if path.is_dir() {
                 walk(&path, base, out);
             }
@@ -873,7 +878,10 @@ mod tests {
         for f in ["0.log", "2.log", "10.log", "11.log.20261204-1", "x.log"] {
             fs::write(dir.path().join(f), "").unwrap();
         }
-        assert_eq!(latest_attempt_log(dir.path()), Some(dir.path().join("10.log")));
+        assert_eq!(
+            latest_attempt_log(dir.path()),
+            Some(dir.path().join("10.log"))
+        );
         assert!(list_tree(dir.path()).contains("10.log"));
         assert!(list_tree(&dir.path().join("absent")).ends_with("(missing)"));
     }

@@ -21,7 +21,9 @@
 //! the reports and for Ready; default 600; give 5,000 nodes 1500), `SCALE_DHAT=1` (build the
 //! operator with dhat's heap profiler; the profile lands in `$CARGO_TARGET_DIR/dhat-heap.json`),
 //! `GPUPOOL_OPERATOR_BIN` (default: `cargo build --release` of the operator, never a binary an
-//! earlier build left).
+//! earlier build left), `SCALE_OPERATOR_LOG` (the operator's `--log`, default `warn`; its log
+//! goes to the bench's stderr). While it waits for Ready the bench prints the pool's Ready
+//! condition once a minute, and the last one seen if Ready never comes.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -338,6 +340,39 @@ fn ready(pool: &GpuPool) -> bool {
     })
 }
 
+/// How often the wait for Ready says where the pool stands.
+const PROGRESS_EVERY: Duration = Duration::from_secs(60);
+
+/// The pool's Ready condition and first problems, cut short, for a run that waits or gives up.
+fn ready_summary(pool: &GpuPool) -> String {
+    let Some(s) = &pool.status else {
+        return "no status".into();
+    };
+    let cut = |t: &str| t.chars().take(300).collect::<String>();
+    let ready = s
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .map_or("no Ready condition".into(), |c| {
+            format!("Ready={} {}: {}", c.status, c.reason, cut(&c.message))
+        });
+    let problems: Vec<String> = s
+        .problems
+        .iter()
+        .take(3)
+        .map(|p| format!("{} {}: {}", p.node, p.reason, cut(&p.message)))
+        .collect();
+    format!(
+        "{ready}; ready nodes {}/{}; mig {}/{} applied, {} pending; problems: [{}]",
+        s.ready_nodes,
+        s.selected_nodes,
+        s.mig.applied,
+        s.selected_nodes,
+        s.mig.pending,
+        problems.join("; ")
+    )
+}
+
 /// What the node's agent reports: 8 GPUs × seven 1g.10gb MIG devices, the node's GPU pods on
 /// them (`per_node` pods, every other one holding a device).
 fn status_for(gn: &GpuNode, per_node: u64) -> serde_json::Value {
@@ -450,7 +485,7 @@ async fn main() -> BoxResult<()> {
             "--pool-selector",
             &format!("{LABEL}=true"),
             "--log",
-            "warn",
+            &std::env::var("SCALE_OPERATOR_LOG").unwrap_or_else(|_| "warn".into()),
         ])
         .env("GPUPOOL_DHAT_FILE", dhat_file())
         .stdin(Stdio::null())
@@ -513,12 +548,24 @@ async fn main() -> BoxResult<()> {
         }
     }
     let last_report = Instant::now();
+    println!(
+        "all reports written {:.1} s after the apply",
+        (last_report - applied).as_secs_f64()
+    );
     let mut became_ready = None;
+    let mut last_seen = None;
+    let mut next_progress = Instant::now() + PROGRESS_EVERY;
     while Instant::now() < deadline {
-        if ready(&pools.get(POOL).await?) {
+        let pool = pools.get(POOL).await?;
+        if ready(&pool) {
             became_ready = Some(Instant::now());
             break;
         }
+        if Instant::now() >= next_progress {
+            println!("waiting for Ready: {}", ready_summary(&pool));
+            next_progress += PROGRESS_EVERY;
+        }
+        last_seen = Some(pool);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let writes_at_ready = metric_sum("gpupool_api_writes_total").await?;
@@ -544,8 +591,9 @@ async fn main() -> BoxResult<()> {
             );
         }
         None => println!(
-            "the pool did not become Ready within {} s of the apply",
-            timeout.as_secs()
+            "the pool did not become Ready within {} s of the apply; last seen: {}",
+            timeout.as_secs(),
+            last_seen.as_ref().map_or("-".into(), ready_summary)
         ),
     }
     println!(
