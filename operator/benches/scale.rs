@@ -1,6 +1,7 @@
 //! Scale benchmark: N kwok GPU nodes × 8 GPUs with their pods, one pool selecting all of them,
-//! a fleet simulator writing GpuNode statuses as agents do, and the operator (a release build)
-//! measured from outside.
+//! a fleet simulator writing GpuNode statuses as agents do (a full report once, then a
+//! `heartbeatTime` stamp every minute), and the operator (a release build) measured from
+//! outside.
 //!
 //! ```text
 //! e2e/cluster up --nodes 0                             # a control plane with kwok
@@ -15,8 +16,11 @@
 //!
 //! Prints: time from the pool's apply to Ready, and from the last node's report to Ready; API
 //! writes per node (the operator's own `gpupool_api_writes_total`); reconcile duration p50 and
-//! p99 (from its histogram); the operator's peak (VmHWM) and end (VmRSS) resident memory;
-//! writes per minute in steady state. Without KUBECONFIG it says so and exits.
+//! p99 (from its histogram); the operator's peak (VmHWM) and end (VmRSS) resident memory, and
+//! its peak after the initial lists of pods and nodes, before the pool is applied; writes per
+//! minute in steady state; then the operator is restarted into the full cluster, as an upgrade
+//! or a new leader would be, and its peak after the initial lists (every pod, node and
+//! reported GpuNode) and by its first reconcile is printed. Without KUBECONFIG it says so and exits.
 //! Environment also: `SCALE_NODES` (default 1000), `SCALE_TIMEOUT_SECS` (how long to wait for
 //! the reports and for Ready; default 600; give 5,000 nodes 1500), `SCALE_DHAT=1` (build the
 //! operator with dhat's heap profiler; the profile lands in `$CARGO_TARGET_DIR/dhat-heap.json`),
@@ -28,12 +32,16 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt, stream};
 use gpupool_crds::testing::mig_node_status;
 use gpupool_crds::{GpuNode, GpuPool};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -316,6 +324,26 @@ async fn metric_sum(name: &str) -> BoxResult<f64> {
         .sum())
 }
 
+/// Waits until the operator's peak RSS has not grown for [`SETTLED_FOR`] (its initial lists of
+/// the cluster's pods and nodes are done), at most [`SETTLE_MAX`]; how long that took and the
+/// peak then. The pool is applied after this, so the figure parts what the lists cost from what
+/// the pool's reports and reconciles cost.
+async fn settle(pid: u32) -> (Duration, u64) {
+    let start = Instant::now();
+    let (mut hwm, mut since) = (vm_hwm_kib(pid), Instant::now());
+    while start.elapsed() < SETTLE_MAX && since.elapsed() < SETTLED_FOR {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now = vm_hwm_kib(pid);
+        if now != hwm {
+            (hwm, since) = (now, Instant::now());
+        }
+    }
+    (start.elapsed(), hwm)
+}
+
+const SETTLED_FOR: Duration = Duration::from_secs(10);
+const SETTLE_MAX: Duration = Duration::from_secs(120);
+
 fn vm_hwm_kib(pid: u32) -> u64 {
     status_kib(pid, "VmHWM:")
 }
@@ -387,8 +415,112 @@ fn status_for(gn: &GpuNode, per_node: u64) -> serde_json::Value {
         .filter_map(|k| pod(i, k, 0).ok())
         .map(|p| (NAMESPACE.to_string(), p.name_any()))
         .collect();
-    let status = mig_node_status(gn, &holders);
+    let mut status = mig_node_status(gn, &holders);
+    status.heartbeat_time = Some(Time(Timestamp::now()));
     json!({ "apiVersion": "gpupool.io/v1alpha1", "kind": "GpuNode", "status": status })
+}
+
+/// How often the simulated agents stamp their status, as real ones do (the agent's
+/// `--heartbeat-secs` default). Without the stamps the operator judges an agent stale 180 s
+/// after its report, and a pool whose reports take longer than that to write never becomes
+/// Ready.
+const HEARTBEAT: Duration = Duration::from_secs(60);
+
+/// The simulated agents: when each node's status was last stamped, and the stamps written.
+#[derive(Default)]
+struct Fleet {
+    stamped: Mutex<BTreeMap<String, Instant>>,
+    beats: AtomicU64,
+    failed: AtomicU64,
+}
+
+impl Fleet {
+    fn reported(&self) -> usize {
+        self.stamped.lock().map_or(0, |m| m.len())
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.stamped.lock().is_ok_and(|m| m.contains_key(name))
+    }
+
+    fn stamp(&self, name: String) {
+        if let Ok(mut m) = self.stamped.lock() {
+            m.insert(name, Instant::now());
+        }
+    }
+}
+
+/// Stamps each reported node's `heartbeatTime` once per [`HEARTBEAT`], until aborted. A merge
+/// patch of the stamp alone: the operator's watch delivers the whole object either way, and the
+/// API server, sharing the machine with the operator, is spared re-applying every status.
+async fn heartbeats(api: Api<GpuNode>, fleet: Arc<Fleet>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let due: Vec<String> = fleet.stamped.lock().map_or_else(
+            |_| Vec::new(),
+            |m| {
+                m.iter()
+                    .filter(|(_, at)| at.elapsed() >= HEARTBEAT)
+                    .map(|(name, _)| name.clone())
+                    .collect()
+            },
+        );
+        stream::iter(due)
+            .for_each_concurrent(16, |name| {
+                let (api, fleet) = (api.clone(), fleet.clone());
+                async move {
+                    let patch = json!({ "status": { "heartbeatTime": Time(Timestamp::now()) } });
+                    match api
+                        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                        .await
+                    {
+                        Ok(_) => {
+                            fleet.beats.fetch_add(1, Ordering::Relaxed);
+                            fleet.stamp(name);
+                        }
+                        Err(_) => {
+                            fleet.failed.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            })
+            .await;
+    }
+}
+
+/// Starts the operator on the bench's pool and port; a dhat build writes its profile to
+/// `dhat_to` when it exits.
+fn spawn_operator(
+    bin: &std::path::Path,
+    dhat_to: &std::path::Path,
+) -> BoxResult<std::process::Child> {
+    let log = std::env::var("SCALE_OPERATOR_LOG").unwrap_or_else(|_| "warn".into());
+    Ok(Command::new(bin)
+        .args([
+            "--leader-elect",
+            "false",
+            "--http-addr",
+            &format!("127.0.0.1:{PORT}"),
+            "--pool-selector",
+            &format!("{LABEL}=true"),
+            "--log",
+            &log,
+        ])
+        .env("GPUPOOL_DHAT_FILE", dhat_to)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("starting {}: {e}", bin.display()))?)
+}
+
+/// SIGTERM, so the operator shuts down cleanly (and a dhat build writes its profile), then
+/// waits for it.
+fn stop_operator(op: &mut std::process::Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &op.id().to_string()])
+        .status();
+    let _ = op.wait();
 }
 
 /// Removes the bench pool (dropping its finalizer: no operator runs) and its GpuNodes.
@@ -476,23 +608,16 @@ async fn main() -> BoxResult<()> {
     println!("pods created in {:.1} s", started.elapsed().as_secs_f64());
 
     let bin = operator_binary()?;
-    let mut op = Command::new(&bin)
-        .args([
-            "--leader-elect",
-            "false",
-            "--http-addr",
-            &format!("127.0.0.1:{PORT}"),
-            "--pool-selector",
-            &format!("{LABEL}=true"),
-            "--log",
-            &std::env::var("SCALE_OPERATOR_LOG").unwrap_or_else(|_| "warn".into()),
-        ])
-        .env("GPUPOOL_DHAT_FILE", dhat_file())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("starting {}: {e}", bin.display()))?;
+    let mut op = spawn_operator(&bin, &dhat_file())?;
     let pid = op.id();
+    let (settled, listed_hwm) = settle(pid).await;
+    println!(
+        "operator after its initial lists ({:.1} s after its start, no pool yet): peak RSS \
+         {:.1} MiB, RSS {:.1} MiB",
+        settled.as_secs_f64(),
+        listed_hwm as f64 / 1024.0,
+        vm_rss_kib(pid) as f64 / 1024.0
+    );
 
     let applied = Instant::now();
     let pool = json!({
@@ -512,16 +637,17 @@ async fn main() -> BoxResult<()> {
         )
         .await?;
 
-    // Fleet simulator: report every GpuNode once it exists.
+    // Fleet simulator: report every GpuNode once it exists, then stamp it every minute.
     let lp = ListParams::default().labels(&format!("gpupool.io/pool={POOL}"));
-    let mut reported: BTreeMap<String, ()> = BTreeMap::new();
+    let fleet = Arc::new(Fleet::default());
+    let beating = tokio::spawn(heartbeats(gpunodes.clone(), fleet.clone()));
     let deadline = Instant::now() + timeout;
-    while (reported.len() as u64) < n && Instant::now() < deadline {
+    while (fleet.reported() as u64) < n && Instant::now() < deadline {
         let list = gpunodes.list(&lp).await?;
         let todo: Vec<GpuNode> = list
             .items
             .into_iter()
-            .filter(|g| !reported.contains_key(&g.name_any()))
+            .filter(|g| !fleet.has(&g.name_any()))
             .collect();
         if todo.is_empty() {
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -544,7 +670,7 @@ async fn main() -> BoxResult<()> {
             .try_collect::<Vec<_>>()
             .await?;
         for name in names {
-            reported.insert(name, ());
+            fleet.stamp(name);
         }
     }
     let last_report = Instant::now();
@@ -579,8 +705,10 @@ async fn main() -> BoxResult<()> {
     let p99 = histogram_quantile("gpupool_reconcile_duration_seconds", 0.99).await?;
 
     println!(
-        "nodes: {n} (8 GPUs each), GpuNodes reported: {}",
-        reported.len()
+        "nodes: {n} (8 GPUs each), GpuNodes reported: {}, heartbeats written: {} ({} failed)",
+        fleet.reported(),
+        fleet.beats.load(Ordering::Relaxed),
+        fleet.failed.load(Ordering::Relaxed)
     );
     match became_ready {
         Some(t) => {
@@ -619,6 +747,36 @@ async fn main() -> BoxResult<()> {
         "operator peak RSS (VmHWM): {rss_mib:.1} MiB, steady RSS (VmRSS at the end): {steady_mib:.1} MiB"
     );
 
+    beating.abort();
+    // A restart into the full cluster (an upgrade, a new leader): the new process lists every
+    // pod, node and reported GpuNode at once, which a start before the pool never does.
+    stop_operator(&mut op);
+    let restarted = Instant::now();
+    let mut op = spawn_operator(&bin, &target_dir().join("dhat-heap-restart.json"))?;
+    let pid = op.id();
+    let (settled, restart_hwm) = settle(pid).await;
+    let reconciled_again = loop {
+        if metric_sum("gpupool_reconciles_total").await? >= 1.0 {
+            break Some(restarted.elapsed());
+        }
+        if restarted.elapsed() > timeout {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    println!(
+        "operator restarted into the full cluster: peak RSS {:.1} MiB after its initial lists \
+         ({:.1} s), {:.1} MiB by its first reconcile ({}), RSS {:.1} MiB",
+        restart_hwm as f64 / 1024.0,
+        settled.as_secs_f64(),
+        vm_hwm_kib(pid) as f64 / 1024.0,
+        reconciled_again.map_or("none".into(), |t| format!(
+            "{:.1} s after the start",
+            t.as_secs_f64()
+        )),
+        vm_rss_kib(pid) as f64 / 1024.0
+    );
+
     // Clean up: the pool (the operator finalizes it; given as long again as the run had),
     // then the nodes. A pool the operator could not finalize in time is cleared by hand.
     pools.delete(POOL, &DeleteParams::default()).await?;
@@ -626,13 +784,12 @@ async fn main() -> BoxResult<()> {
     while pools.get_opt(POOL).await?.is_some() && Instant::now() < cleanup_deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // SIGTERM lets the operator shut down cleanly (and a dhat build write its profile).
-    let _ = Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status();
-    let _ = op.wait();
+    stop_operator(&mut op);
     if dhat_wanted() {
-        println!("heap profile: {}", dhat_file().display());
+        println!(
+            "heap profiles: {} (first start), dhat-heap-restart.json beside it (the restart)",
+            dhat_file().display()
+        );
     }
     clear_stale_pool(&pools, &gpunodes).await?;
     // One delete-collection may stop short on tens of thousands of pods, or outlast the
