@@ -474,6 +474,7 @@ async fn wrong_values_fail_with_the_schema_message() -> Result<()> {
         ),
         ("agent.backend=cuda", "at '/agent/backend'"),
         ("operator.metricsPort=70000", "at '/operator/metricsPort'"),
+        ("operator.initialList=all", "at '/operator/initialList'"),
         ("crds.install=yes", "at '/crds/install'"),
         ("tests.resource=amd.com/gpu", "at '/tests/resource'"),
         (

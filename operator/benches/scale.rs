@@ -19,14 +19,16 @@
 //! p99 (from its histogram); the operator's peak (VmHWM) and end (VmRSS) resident memory, and
 //! its peak after the initial lists of pods and nodes, before the pool is applied; writes per
 //! minute in steady state; then the operator is restarted into the full cluster, as an upgrade
-//! or a new leader would be, and its peak after the initial lists (every pod, node and
-//! reported GpuNode) and by its first reconcile is printed. Without KUBECONFIG it says so and exits.
+//! or a new leader would be, once per way of listing (`--initial-list`), and its peak after the
+//! initial lists (every pod, node and reported GpuNode) and by its first reconcile is printed. Without KUBECONFIG it says so and exits.
 //! Environment also: `SCALE_NODES` (default 1000), `SCALE_TIMEOUT_SECS` (how long to wait for
 //! the reports and for Ready; default 600; give 5,000 nodes 1500), `SCALE_DHAT=1` (build the
 //! operator with dhat's heap profiler; the profile lands in `$CARGO_TARGET_DIR/dhat-heap.json`),
 //! `GPUPOOL_OPERATOR_BIN` (default: `cargo build --release` of the operator, never a binary an
 //! earlier build left), `SCALE_OPERATOR_LOG` (the operator's `--log`, default `warn`; its log
-//! goes to the bench's stderr). While it waits for Ready the bench prints the pool's Ready
+//! goes to the bench's stderr), `SCALE_INITIAL_LIST` (its `--initial-list` at the first start,
+//! default `paged`), `SCALE_RESTART_LISTS` (the restarts' `--initial-list`s, comma-separated,
+//! default `paged,cache,streaming`; empty for no restart). While it waits for Ready the bench prints the pool's Ready
 //! condition once a minute, and the last one seen if Ready never comes.
 
 use std::collections::BTreeMap;
@@ -494,6 +496,7 @@ async fn heartbeats(api: Api<GpuNode>, fleet: Arc<Fleet>) {
 fn spawn_operator(
     bin: &std::path::Path,
     dhat_to: &std::path::Path,
+    initial_list: &str,
 ) -> BoxResult<std::process::Child> {
     let log = std::env::var("SCALE_OPERATOR_LOG").unwrap_or_else(|_| "warn".into());
     Ok(Command::new(bin)
@@ -506,12 +509,31 @@ fn spawn_operator(
             &format!("{LABEL}=true"),
             "--log",
             &log,
+            "--initial-list",
+            initial_list,
         ])
         .env("GPUPOOL_DHAT_FILE", dhat_to)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .spawn()
         .map_err(|e| format!("starting {}: {e}", bin.display()))?)
+}
+
+/// The operator's `--initial-list` at its first start: `SCALE_INITIAL_LIST`, default `paged`.
+fn first_list() -> String {
+    std::env::var("SCALE_INITIAL_LIST").unwrap_or_else(|_| "paged".into())
+}
+
+/// The `--initial-list` of each restart, in order: `SCALE_RESTART_LISTS` (comma-separated;
+/// empty for none), default all three.
+fn restart_lists() -> Vec<String> {
+    std::env::var("SCALE_RESTART_LISTS")
+        .unwrap_or_else(|_| "paged,cache,streaming".into())
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
 }
 
 /// SIGTERM, so the operator shuts down cleanly (and a dhat build writes its profile), then
@@ -608,7 +630,7 @@ async fn main() -> BoxResult<()> {
     println!("pods created in {:.1} s", started.elapsed().as_secs_f64());
 
     let bin = operator_binary()?;
-    let mut op = spawn_operator(&bin, &dhat_file())?;
+    let mut op = spawn_operator(&bin, &dhat_file(), &first_list())?;
     let pid = op.id();
     let (settled, listed_hwm) = settle(pid).await;
     println!(
@@ -748,34 +770,41 @@ async fn main() -> BoxResult<()> {
     );
 
     beating.abort();
-    // A restart into the full cluster (an upgrade, a new leader): the new process lists every
-    // pod, node and reported GpuNode at once, which a start before the pool never does.
-    stop_operator(&mut op);
-    let restarted = Instant::now();
-    let mut op = spawn_operator(&bin, &target_dir().join("dhat-heap-restart.json"))?;
-    let pid = op.id();
-    let (settled, restart_hwm) = settle(pid).await;
-    let reconciled_again = loop {
-        if metric_sum("gpupool_reconciles_total").await? >= 1.0 {
-            break Some(restarted.elapsed());
-        }
-        if restarted.elapsed() > timeout {
-            break None;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
-    println!(
-        "operator restarted into the full cluster: peak RSS {:.1} MiB after its initial lists \
-         ({:.1} s), {:.1} MiB by its first reconcile ({}), RSS {:.1} MiB",
-        restart_hwm as f64 / 1024.0,
-        settled.as_secs_f64(),
-        vm_hwm_kib(pid) as f64 / 1024.0,
-        reconciled_again.map_or("none".into(), |t| format!(
-            "{:.1} s after the start",
-            t.as_secs_f64()
-        )),
-        vm_rss_kib(pid) as f64 / 1024.0
-    );
+    // Restarts into the full cluster (an upgrade, a new leader): the new process lists every
+    // pod, node and reported GpuNode at once, which a start before the pool never does. One
+    // restart per way of listing, side by side; the last one stays up for the cleanup.
+    for list in restart_lists() {
+        stop_operator(&mut op);
+        let restarted = Instant::now();
+        op = spawn_operator(
+            &bin,
+            &target_dir().join(format!("dhat-heap-restart-{list}.json")),
+            &list,
+        )?;
+        let pid = op.id();
+        let (settled, restart_hwm) = settle(pid).await;
+        let reconciled_again = loop {
+            if metric_sum("gpupool_reconciles_total").await? >= 1.0 {
+                break Some(restarted.elapsed());
+            }
+            if restarted.elapsed() > timeout {
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        println!(
+            "operator restarted into the full cluster, --initial-list {list}: peak RSS {:.1} MiB \
+             after its initial lists ({:.1} s), {:.1} MiB by its first reconcile ({}), RSS {:.1} MiB",
+            restart_hwm as f64 / 1024.0,
+            settled.as_secs_f64(),
+            vm_hwm_kib(pid) as f64 / 1024.0,
+            reconciled_again.map_or("none".into(), |t| format!(
+                "{:.1} s after the start",
+                t.as_secs_f64()
+            )),
+            vm_rss_kib(pid) as f64 / 1024.0
+        );
+    }
 
     // Clean up: the pool (the operator finalizes it; given as long again as the run had),
     // then the nodes. A pool the operator could not finalize in time is cleared by hand.
@@ -787,7 +816,7 @@ async fn main() -> BoxResult<()> {
     stop_operator(&mut op);
     if dhat_wanted() {
         println!(
-            "heap profiles: {} (first start), dhat-heap-restart.json beside it (the restart)",
+            "heap profiles: {} (first start), dhat-heap-restart-<list>.json beside it (restarts)",
             dhat_file().display()
         );
     }

@@ -40,7 +40,29 @@ pub struct Settings {
     pub agent_stale_after: Duration,
     /// How often the leader samples GpuNode status for the GPU-time counters.
     pub accounting_interval: Duration,
+    /// How the caches make their initial lists (and relists).
+    pub initial_list: InitialList,
 }
+
+/// How a cache fills at start, and again when its watch must start over. The choice sets the
+/// operator's peak memory in a large cluster: the API server's answer to a list is held whole
+/// while it is decoded, and a restart lists every pod, node and GpuNode at once.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum InitialList {
+    /// Pages of [`LIST_PAGE`] objects, each a consistent read: one page in memory at a time.
+    #[default]
+    Paged,
+    /// One unpaged answer from the API server's watch cache (`resourceVersion=0`): the fewest
+    /// requests and the least API server work, but the whole list in memory at once.
+    Cache,
+    /// A watch that sends the current objects as events first (`sendInitialEvents`, the API
+    /// server's WatchList feature, on by default since Kubernetes 1.32): one object in memory
+    /// at a time.
+    Streaming,
+}
+
+/// Objects per page of a [`InitialList::Paged`] list.
+pub const LIST_PAGE: u32 = 500;
 
 impl Default for Settings {
     fn default() -> Self {
@@ -52,6 +74,7 @@ impl Default for Settings {
             pool_selector: None,
             agent_stale_after: Duration::from_secs(180),
             accounting_interval: Duration::from_secs(15),
+            initial_list: InitialList::default(),
         }
     }
 }

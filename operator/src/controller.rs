@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::cache::{CachedPod, keep_pod, trim_gpunode, trim_node};
-use crate::context::{Context, FIELD_MANAGER, Settings};
+use crate::context::{Context, FIELD_MANAGER, InitialList, LIST_PAGE, Settings};
 use crate::error::{Error, Failures, Result};
 use crate::liveness::Liveness;
 use crate::metrics::{ErrorLabels, Metrics, ReconcileLabels};
@@ -710,6 +710,19 @@ fn relevant_node_changes(
         .flatten()
 }
 
+/// The watch configuration every cache starts from (see [`InitialList`]).
+fn watcher_config(initial_list: InitialList) -> watcher::Config {
+    let cfg = watcher::Config::default();
+    match initial_list {
+        InitialList::Paged => cfg.page_size(LIST_PAGE),
+        InitialList::Cache => watcher::Config {
+            page_size: None,
+            ..cfg.any_semantic()
+        },
+        InitialList::Streaming => cfg.streaming_lists(),
+    }
+}
+
 /// Runs the controller until `shutdown` is cancelled.
 pub async fn run(
     client: Client,
@@ -729,10 +742,7 @@ pub async fn run(
     let (pod_store, pod_writer) = reflector::store::<CachedPod>();
     let (ns_store, ns_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
 
-    // Initial lists from the API server's cache (`resourceVersion=0`), unpaged: paged lists
-    // were measured at 5,000 nodes and 40,000 pods and left the peak memory where it was
-    // (README, "Operator at scale").
-    let cfg = watcher::Config::default().any_semantic();
+    let cfg = watcher_config(settings.initial_list);
     let liveness = Arc::new(Liveness::default());
     let seen = liveness.clone();
     // Heartbeats are timed as the watch delivers them (see crate::liveness).
@@ -876,5 +886,31 @@ async fn count_gpu_time(
         let state = gpunodes.state();
         let accrual = accountant.sample(state.iter().map(|g| g.as_ref()), Timestamp::now());
         metrics.account(&accrual);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::runtime::watcher::{InitialListStrategy, ListSemantic};
+
+    use super::*;
+
+    #[test]
+    fn each_initial_list_asks_the_api_server_for_what_it_says() {
+        let paged = watcher_config(InitialList::Paged);
+        assert_eq!(paged.page_size, Some(LIST_PAGE));
+        assert_eq!(paged.list_semantic, ListSemantic::MostRecent);
+        assert_eq!(paged.initial_list_strategy, InitialListStrategy::ListWatch);
+
+        let cache = watcher_config(InitialList::Cache);
+        assert_eq!(cache.page_size, None);
+        assert_eq!(cache.list_semantic, ListSemantic::Any);
+        assert_eq!(cache.initial_list_strategy, InitialListStrategy::ListWatch);
+
+        let streaming = watcher_config(InitialList::Streaming);
+        assert_eq!(
+            streaming.initial_list_strategy,
+            InitialListStrategy::StreamingList
+        );
     }
 }

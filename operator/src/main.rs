@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use clap::{Parser, Subcommand};
-use gpupool_operator::context::Settings;
+use gpupool_operator::context::{InitialList, Settings};
 use gpupool_operator::controller;
 use gpupool_operator::http::{self, HttpState};
 use gpupool_operator::lifecycle::{self, UninstallOptions};
@@ -77,6 +77,12 @@ struct Args {
     #[arg(long, env = "GPUPOOL_ACCOUNTING_INTERVAL", default_value_t = 15,
         value_parser = clap::value_parser!(u64).range(1..))]
     accounting_interval: u64,
+    /// How the caches list the cluster at start and on a relist: `paged` (500 objects a
+    /// request), `cache` (one unpaged answer from the API server's cache: fewer requests, the
+    /// whole list in memory at once) or `streaming` (objects one by one over a watch; needs the
+    /// API server's WatchList feature, on by default since Kubernetes 1.32).
+    #[arg(long, env = "GPUPOOL_INITIAL_LIST", value_enum, default_value_t = InitialList::Paged)]
+    initial_list: InitialList,
     /// Seconds to wait for the CRDs to be Established at start.
     #[arg(long, env = "GPUPOOL_CRD_TIMEOUT", default_value_t = 60)]
     crd_timeout: u64,
@@ -214,6 +220,7 @@ async fn main() -> Result<()> {
         pool_selector: args.pool_selector.clone(),
         agent_stale_after: Duration::from_secs(args.agent_stale_secs),
         accounting_interval: Duration::from_secs(args.accounting_interval),
+        initial_list: args.initial_list,
         ..Settings::default()
     };
 
