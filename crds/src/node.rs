@@ -8,6 +8,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 
 /// The desired state of one GPU node, resolved by the operator from the node's pool.
 /// Named after its Node.
@@ -44,7 +45,9 @@ pub struct GpuNodeSpec {
 
     /// The MIG layout resolved for this node's GPUs.
     #[serde(default)]
-    pub mig: NodeMigSpec,
+    // Shared: nodes of one kind carry the same layout, and the operator keeps one copy of it for
+    // all of them (its GpuNode cache interns it); `Arc::make_mut` edits a copy of one's own.
+    pub mig: Arc<NodeMigSpec>,
 
     /// What the agent needs of the pool's reclaim policy.
     #[serde(default)]

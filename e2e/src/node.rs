@@ -114,7 +114,7 @@ impl GpuNodeHost {
                     ..DriverPolicy::default()
                 },
                 cdi: Default::default(),
-                mig,
+                mig: mig.into(),
                 utilization: UtilizationSpec {
                     idle_threshold: 5,
                     sample_interval: Duration::from_secs(1).into(),

@@ -257,7 +257,7 @@ fn base_spec(pool: &str) -> GpuNodeSpec {
             ..DriverPolicy::default()
         },
         cdi: Default::default(),
-        mig: NodeMigSpec::default(),
+        mig: Default::default(),
         utilization: UtilizationSpec {
             idle_threshold: 5,
             sample_interval: Duration::from_secs(1).into(),
@@ -858,7 +858,7 @@ async fn agent_applies_mig_layout_and_completes_it_after_kill_9() -> Result<()> 
     );
     let host = NodeHost::new(&scope, &node, &fixture, 2)?;
     let mut spec = base_spec(scope.prefix());
-    spec.mig.strategy = MigStrategy::Mixed;
+    std::sync::Arc::make_mut(&mut spec.mig).strategy = MigStrategy::Mixed;
     spec.cdi.device_name_strategies =
         vec![CdiDeviceNameStrategy::Index, CdiDeviceNameStrategy::Uuid];
     fresh_gpunode(&client, &scope, &node, spec).await?;

@@ -685,7 +685,7 @@ async fn real_kubelet_admits_gpu_pods_through_the_plugin() -> Result<()> {
                 ..DriverPolicy::default()
             },
             cdi: Default::default(),
-            mig: layout("1g.10gb", 3),
+            mig: layout("1g.10gb", 3).into(),
             utilization: UtilizationSpec {
                 idle_threshold: 5,
                 sample_interval: Duration::from_secs(1).into(),

@@ -17,16 +17,19 @@
 //!   holds, and the healthy GPUs nothing holds: the operator reads a GPU or MIG device only
 //!   for its holders (reclaim, drain, GPU-time accounting) or, unhealthy, to name it; GPU
 //!   counts come from the agent's totals. The spec is kept whole: it is
-//!   what the operator compares its desired state with.
+//!   what the operator compares its desired state with. Its MIG layout, most of a spec's
+//!   bytes, is shared ([`SharedLayouts`]): nodes of one kind carry equal layouts, and the
+//!   cache keeps one copy of each.
 //!
 //! The operator never writes an object back from these copies: its writes are server-side
 //! applies of its own fields and merge patches of annotations.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::sync::{Arc, Weak};
 
 use gpupool_crds::GpuNode;
-use gpupool_crds::node::Health;
+use gpupool_crds::node::{Health, NodeMigSpec};
 use k8s_openapi::api::core::v1::{
     Affinity, Container, Node, Pod, PodSpec, PodStatus, ResourceRequirements, Toleration,
 };
@@ -389,6 +392,47 @@ pub fn trim_gpunode(gn: &mut GpuNode) {
     status.gpus.shrink_to_fit();
 }
 
+/// The MIG layouts the GpuNode cache holds, one copy of each: thousands of nodes of a few
+/// kinds carry a few distinct layouts, each about 3 KiB (a profile map per GPU), which every
+/// GpuNode would otherwise hold a copy of. Layouts no cached GpuNode holds any more are
+/// forgotten.
+#[derive(Debug, Default)]
+pub struct SharedLayouts {
+    held: Vec<Weak<NodeMigSpec>>,
+}
+
+impl SharedLayouts {
+    /// [`trim_gpunode`], then points the GpuNode's layout at the copy already held of an equal
+    /// one, or holds it as the first of its kind. For the GpuNode watch, before the store.
+    pub fn trim(&mut self, gn: &mut GpuNode) {
+        trim_gpunode(gn);
+        self.share(&mut gn.spec.mig);
+    }
+
+    fn share(&mut self, layout: &mut Arc<NodeMigSpec>) {
+        self.held.retain(|h| h.strong_count() > 0);
+        match self
+            .held
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find(|h| **h == **layout)
+        {
+            Some(same) => *layout = same,
+            None => self.held.push(Arc::downgrade(layout)),
+        }
+    }
+
+    /// How many distinct layouts are held.
+    pub fn len(&self) -> usize {
+        self.held.iter().filter(|h| h.strong_count() > 0).count()
+    }
+
+    /// Whether no layout is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
@@ -680,5 +724,77 @@ mod tests {
         }
         assert_eq!(a.gpus[0].mig_devices.len(), 1);
         assert_eq!(gn.spec, full.spec);
+    }
+
+    fn layout(profile: &str, count: u32) -> NodeMigSpec {
+        NodeMigSpec {
+            managed: true,
+            layout_name: Some(format!("all-{profile}")),
+            gpus: (0..8)
+                .map(|index| gpupool_crds::node::GpuMigSpec {
+                    index,
+                    enabled: true,
+                    profiles: BTreeMap::from([(profile.to_owned(), count)]),
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    /// A GpuNode as the watch decodes it: its own copy of every field.
+    fn decoded(name: &str, mig: NodeMigSpec) -> GpuNode {
+        let mut gn = GpuNode::new(
+            name,
+            gpupool_crds::GpuNodeSpec {
+                pool: "p".into(),
+                driver: Default::default(),
+                cdi: Default::default(),
+                mig: Arc::new(mig),
+                utilization: Default::default(),
+                sharing: Default::default(),
+            },
+        );
+        gn.status = Some(mig_node_status(&gn, &[]));
+        serde_json::from_value(serde_json::to_value(&gn).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn gpunodes_of_one_layout_share_one_copy() {
+        let mut layouts = SharedLayouts::default();
+        let (mut a, mut b, mut c) = (
+            decoded("n1", layout("1g.10gb", 7)),
+            decoded("n2", layout("1g.10gb", 7)),
+            decoded("n3", layout("3g.40gb", 2)),
+        );
+        assert!(!Arc::ptr_eq(&a.spec.mig, &b.spec.mig));
+        let b_before = b.clone();
+        for gn in [&mut a, &mut b, &mut c] {
+            layouts.trim(gn);
+        }
+        assert!(Arc::ptr_eq(&a.spec.mig, &b.spec.mig));
+        assert!(!Arc::ptr_eq(&a.spec.mig, &c.spec.mig));
+        assert_eq!(b.spec, b_before.spec, "sharing changes no value");
+        assert_eq!(layouts.len(), 2);
+        // A layout no GpuNode holds any more is let go; an edited one is a new layout.
+        drop(c);
+        assert_eq!(layouts.len(), 1);
+        let mut d = decoded("n4", layout("1g.10gb", 7));
+        Arc::make_mut(&mut d.spec.mig).managed = false;
+        layouts.trim(&mut d);
+        assert!(!Arc::ptr_eq(&a.spec.mig, &d.spec.mig));
+        assert_eq!(layouts.len(), 2);
+    }
+
+    #[test]
+    fn a_shared_layout_is_trimmed_like_any_gpunode() {
+        let mut layouts = SharedLayouts::default();
+        let mut shared = decoded("n1", layout("1g.10gb", 7));
+        let mut plain = shared.clone();
+        layouts.trim(&mut shared);
+        trim_gpunode(&mut plain);
+        assert_eq!(
+            (&shared.metadata, &shared.spec, &shared.status),
+            (&plain.metadata, &plain.spec, &plain.status)
+        );
     }
 }

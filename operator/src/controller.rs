@@ -26,7 +26,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::cache::{CachedPod, keep_pod, trim_gpunode, trim_node};
+use crate::cache::{CachedPod, SharedLayouts, keep_pod, trim_node};
 use crate::context::{Context, FIELD_MANAGER, InitialList, LIST_PAGE, Settings};
 use crate::error::{Error, Failures, Result};
 use crate::liveness::Liveness;
@@ -212,7 +212,7 @@ fn desired_gpunode(
     pool: &GpuPool,
     node_name: &str,
     resolved: &pool::ResolvedSpec,
-    kept_mig: Option<gpupool_crds::node::NodeMigSpec>,
+    kept_mig: Option<Arc<gpupool_crds::node::NodeMigSpec>>,
 ) -> GpuNode {
     let mut spec = resolved.spec.clone();
     if let Some(mig) = kept_mig {
@@ -278,7 +278,7 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     };
     let rollout: Vec<(&str, Option<&GpuNode>, &gpupool_crds::node::NodeMigSpec)> = wanted
         .iter()
-        .map(|(_, name, resolved)| (name.as_str(), owned(name), &resolved.spec.mig))
+        .map(|(_, name, resolved)| (name.as_str(), owned(name), &*resolved.spec.mig))
         .collect();
     let holds: BTreeSet<String> =
         pool::mig_rollout_holds(pool.spec.mig.max_unavailable(), &rollout)
@@ -746,11 +746,15 @@ pub async fn run(
     let liveness = Arc::new(Liveness::default());
     let seen = liveness.clone();
     // Heartbeats are timed as the watch delivers them (see crate::liveness).
-    let gn_stream = reflector(gn_writer, watcher(gn_api, cfg.clone()).modify(trim_gpunode))
-        .default_backoff()
-        .inspect_err(watch_failed("GpuNode"))
-        .touched_objects()
-        .inspect_ok(move |gn: &GpuNode| seen.observe_gpunode(gn, Timestamp::now()));
+    let mut layouts = SharedLayouts::default();
+    let gn_stream = reflector(
+        gn_writer,
+        watcher(gn_api, cfg.clone()).modify(move |gn| layouts.trim(gn)),
+    )
+    .default_backoff()
+    .inspect_err(watch_failed("GpuNode"))
+    .touched_objects()
+    .inspect_ok(move |gn: &GpuNode| seen.observe_gpunode(gn, Timestamp::now()));
     let node_stream = relevant_node_changes(
         reflector(
             node_writer,

@@ -118,7 +118,7 @@ pub fn mig_rollout_holds<'a>(
 ) -> BTreeSet<&'a str> {
     let under_way = nodes
         .iter()
-        .filter(|(_, gn, want)| gn.is_some_and(|g| g.spec.mig == **want && mig_in_progress(g)))
+        .filter(|(_, gn, want)| gn.is_some_and(|g| *g.spec.mig == **want && mig_in_progress(g)))
         .count() as u32;
     let mut budget = max_unavailable.saturating_sub(under_way);
     let mut sorted: Vec<_> = nodes.iter().collect();
@@ -126,7 +126,7 @@ pub fn mig_rollout_holds<'a>(
     let mut holds = BTreeSet::new();
     for (name, gn, want) in sorted {
         let Some(gn) = gn else { continue };
-        if gn.spec.mig == **want {
+        if *gn.spec.mig == **want {
             continue;
         }
         if budget > 0 {
@@ -231,7 +231,7 @@ fn resolve_spec(pool: &GpuPool, node_labels: &BTreeMap<String, String>) -> Resol
         pool: pool.name_any(),
         driver: pool.spec.driver.clone(),
         cdi: pool.spec.cdi.clone(),
-        mig,
+        mig: Arc::new(mig),
         utilization: UtilizationSpec {
             idle_threshold: pool.spec.reclaim.idle_threshold,
             ..UtilizationSpec::default()
@@ -1482,7 +1482,7 @@ pub(crate) mod tests {
         };
         let (o1, o2, o3) = (on("n1", &old), on("n2", &old), on("n3", &old));
         let holds = |nodes: &[(&'static str, Option<&GpuNode>)], max: u32| {
-            let rows: Vec<_> = nodes.iter().map(|(n, g)| (*n, *g, &want)).collect();
+            let rows: Vec<_> = nodes.iter().map(|(n, g)| (*n, *g, &*want)).collect();
             mig_rollout_holds(max, &rows)
         };
         // Nothing under way: the first node by name goes, the others hold.
