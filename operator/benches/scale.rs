@@ -47,8 +47,9 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
+use shapes::{BoxResult, LABEL, NAMESPACE, POOL, gpu_holders, node, pod};
 
-const LABEL: &str = "bench.gpupool.io/scale";
+mod shapes;
 
 /// The operator binary: `GPUPOOL_OPERATOR_BIN`, else a release build made now (a no-op when
 /// fresh), so the bench never measures a stale or unoptimized binary. `SCALE_DHAT=1` builds it
@@ -104,100 +105,13 @@ fn dhat_wanted() -> bool {
     std::env::var("SCALE_DHAT").is_ok_and(|v| v == "1")
 }
 
-const POOL: &str = "scale-bench";
 const PORT: u16 = 19480;
-
-type BoxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 fn env_num(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-fn node(i: u64) -> BoxResult<Node> {
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": format!("scale-{i:05}"),
-            "annotations": { "kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0" },
-            "labels": {
-                LABEL: "true",
-                "type": "kwok",
-                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-                "nvidia.com/gpu.count": "8",
-            },
-        },
-        "status": {
-            "capacity": { "cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8" },
-            "allocatable": { "cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8" },
-        },
-    }))?)
-}
-
-/// kwok completes pods at once unless they carry this label (see `e2e/cluster`).
-const KEEP_RUNNING_LABEL: &str = "e2e.gpupool.io/keep-running";
-/// The namespace of the bench's pods.
-const NAMESPACE: &str = "scale-bench";
-
-/// Pod `k` of node `i` in generation `generation` (churn makes new generations): a training
-/// Job's pod, shaped as a Job controller and the API server's admission leave one (labels,
-/// env, volumes, a service account token), bound to its node; even `k` hold one 1g.10gb MIG device, odd ones
-/// are CPU-only sidecar-style workers, so half the pods hold GPUs.
-fn pod(i: u64, k: u64, generation: u64) -> BoxResult<Pod> {
-    let job = format!("train-{i:05}-{k}-{generation}");
-    let mut limits = json!({ "cpu": "8", "memory": "64Gi" });
-    if k.is_multiple_of(2) {
-        limits["nvidia.com/mig-1g.10gb"] = json!("1");
-    }
-    Ok(serde_json::from_value(json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": format!("{job}-x7k2p"),
-            "namespace": NAMESPACE,
-            "labels": {
-                LABEL: "true",
-                KEEP_RUNNING_LABEL: "true",
-                "batch.kubernetes.io/job-name": job,
-                "job-name": job,
-                "batch.kubernetes.io/controller-uid": format!("0c6f3a52-9d1e-4b7a-8f21-{i:08}{k:02}{generation:02}"),
-                "app.kubernetes.io/name": "trainer",
-                "team": "research",
-            },
-            "annotations": { "batch.kubernetes.io/job-tracking": "" },
-        },
-        "spec": {
-            "nodeName": format!("scale-{i:05}"),
-            "restartPolicy": "Never",
-            "tolerations": [
-                { "key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule" },
-            ],
-            "containers": [{
-                "name": "trainer",
-                "image": "nvcr.io/nvidia/pytorch:24.10-py3",
-                "command": ["torchrun", "--nproc-per-node=1", "/workspace/train.py"],
-                "args": ["--config", "/config/run.yaml", "--checkpoint-dir", "/ckpt"],
-                "env": [
-                    { "name": "NCCL_DEBUG", "value": "WARN" },
-                    { "name": "OMP_NUM_THREADS", "value": "8" },
-                    { "name": "WANDB_PROJECT", "value": "scale-bench" },
-                    { "name": "POD_NAME", "valueFrom": { "fieldRef": { "fieldPath": "metadata.name" } } },
-                ],
-                "resources": { "limits": limits, "requests": limits },
-                "volumeMounts": [
-                    { "name": "config", "mountPath": "/config" },
-                    { "name": "ckpt", "mountPath": "/ckpt" },
-                ],
-            }],
-            "volumes": [
-                { "name": "config", "configMap": { "name": "trainer-config" } },
-                { "name": "ckpt", "emptyDir": {} },
-            ],
-        },
-    }))?)
 }
 
 /// Creates `pods` with 32 requests in flight; an existing pod counts as created. The first
@@ -412,12 +326,7 @@ fn status_for(gn: &GpuNode, per_node: u64) -> serde_json::Value {
         .trim_start_matches("scale-")
         .parse()
         .unwrap_or_default();
-    let holders: Vec<(String, String)> = (0..per_node)
-        .filter(|k| k.is_multiple_of(2))
-        .filter_map(|k| pod(i, k, 0).ok())
-        .map(|p| (NAMESPACE.to_string(), p.name_any()))
-        .collect();
-    let mut status = mig_node_status(gn, &holders);
+    let mut status = mig_node_status(gn, &gpu_holders(i, per_node));
     status.heartbeat_time = Some(Time(Timestamp::now()));
     json!({ "apiVersion": "gpupool.io/v1alpha1", "kind": "GpuNode", "status": status })
 }
@@ -642,15 +551,7 @@ async fn main() -> BoxResult<()> {
     );
 
     let applied = Instant::now();
-    let pool = json!({
-        "apiVersion": "gpupool.io/v1alpha1",
-        "kind": "GpuPool",
-        "metadata": { "name": POOL, "labels": { LABEL: "true" } },
-        "spec": {
-            "nodeSelector": { "matchLabels": { LABEL: "true" } },
-            "mig": { "strategy": "mixed", "layout": { "preset": "all-1g.10gb" } },
-        },
-    });
+    let pool = shapes::pool();
     pools
         .patch(
             POOL,
