@@ -13,6 +13,8 @@
 //!   NVIDIA's plugin never marks a device healthy again, so each GPU gives one sample per
 //!   plugin run.
 //! - VmRSS of the plugin process after registration and after the 10,000 Allocates.
+//! - the Allocate transport floor: the same client against a server that answers at once
+//!   (`crate::floor`), the least any plugin can take here.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -161,8 +163,33 @@ pub async fn run(tools: &Tools, work: &Path) -> Result<()> {
         running.stop().await;
     }
     node::reset_all(&node)?;
-    print_table(&figures);
+    let floor = floor_allocates(tools, &dir).await?;
+    print_table(&figures, &floor);
     Ok(())
+}
+
+/// [`ALLOCATES`] Allocates against the transport floor (`serve-floor`, see `crate::floor`), a
+/// process of its own, from the same client as the plugins'.
+async fn floor_allocates(tools: &Tools, dir: &Path) -> Result<Vec<Duration>> {
+    let socket = dir.join("floor.sock");
+    let _ = std::fs::remove_file(&socket);
+    let mut child = tokio::process::Command::new(&tools.self_exe)
+        .arg("serve-floor")
+        .arg(&socket)
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting serve-floor")?;
+    let up = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        if Instant::now() > up {
+            anyhow::bail!("serve-floor made no socket in 10 s");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let ids: Vec<String> = (0..4).map(|i| i.to_string()).collect();
+    let samples = tokio::task::spawn_blocking(move || allocate_loop(&socket, &ids)).await??;
+    let _ = child.kill().await;
+    Ok(samples)
 }
 
 /// [`ALLOCATES`] Allocates of two GPUs each, timed one by one, from a client of its own on a
@@ -195,7 +222,7 @@ fn allocate_loop(socket: &Path, ids: &[String]) -> Result<Vec<Duration>> {
     })
 }
 
-fn print_table(figures: &BTreeMap<Side, Figures>) {
+fn print_table(figures: &BTreeMap<Side, Figures>, floor: &[Duration]) {
     let (n, o) = (&figures[&Side::Nvidia], &figures[&Side::Gpupool]);
     let row = |name: &str, a: Option<f64>, b: Option<f64>, unit: &str| {
         let fmt = |v: Option<f64>| v.map_or("n/a".to_owned(), |v| format!("{v:.2} {unit}"));
@@ -265,6 +292,25 @@ fn print_table(figures: &BTreeMap<Side, Figures>) {
         mib(o.rss_after_kib),
         "MiB",
     );
+    // The floor bounds what any server can show on this client: NVIDIA's figure over the
+    // floor's is the best ratio a plugin answering in no time would reach, and each side's
+    // figure less the floor is its server's own time.
+    for (name, x) in [("p50", 0.5), ("p99", 0.99)] {
+        let (Some(f), Some(nv), Some(us)) = (q(floor, x), q(&n.allocate, x), q(&o.allocate, x))
+        else {
+            continue;
+        };
+        println!(
+            "\nAllocate {name} transport floor (the same client against a server that answers at \
+             once, a process of its own, n={}): {:.2} µs; above it NVIDIA {:.2} µs, gpupool \
+             {:.2} µs; the best ratio any plugin could show here: {:.2}×",
+            floor.len(),
+            f * 1e3,
+            (nv - f) * 1e3,
+            (us - f) * 1e3,
+            nv / f
+        );
+    }
     for (side, f) in figures {
         if f.start_retried > 0 {
             println!(

@@ -12,11 +12,12 @@
 //!
 //! Internal children (each loads the fake library with one node's environment):
 //! `layout <node-dir> <layout>`, `ours-cdi <node-dir> <spec-dir>`,
-//! `serve-ours <node-dir> <kubelet-dir> <strategy>`.
+//! `serve-ours <node-dir> <kubelet-dir> <strategy>`, `serve-floor <socket>` (see [`floor`]).
 
 mod bench;
 mod cdi_cmp;
 mod conformance;
+mod floor;
 mod node;
 mod plugins;
 mod report;
@@ -106,6 +107,7 @@ fn main() -> Result<()> {
             Path::new(&arg(&args, 3, "kubelet dir")?),
             &arg(&args, 4, "strategy")?,
         )),
+        "serve-floor" => floor::serve(Path::new(&arg(&args, 2, "socket")?)),
         other => bail!("unknown command {other:?}"),
     }
 }
