@@ -125,14 +125,13 @@ fn running(pod: Pod, uid: u64) -> BoxResult<Vec<u8>> {
 }
 
 /// Bytes a store of `K` holds after an initial list of `objects`, each decoded from the JSON
-/// `wire` makes, cut by `cut` and offered to the store if `keep` says so. Returns the bytes
-/// held and the objects stored.
+/// `wire` makes, cut by `cut` and offered to the store if `keep` says so.
 fn held<K, W>(
     objects: impl Iterator<Item = BoxResult<W>>,
     wire: impl Fn(W) -> BoxResult<Vec<u8>>,
     mut cut: impl FnMut(&mut K),
     keep: impl Fn(&Event<K>) -> bool,
-) -> BoxResult<(Writer<K>, usize, usize)>
+) -> BoxResult<Held<K>>
 where
     K: kube::runtime::reflector::Lookup + Clone + DeserializeOwned + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone,
@@ -140,9 +139,12 @@ where
     let before = live();
     let mut writer = Writer::<K>::default();
     writer.apply_watcher_event(&Event::Init);
+    let mut first = None;
     for obj in objects {
         let bytes = wire(obj?)?;
+        let decoding = live();
         let mut k: K = serde_json::from_slice(&bytes)?;
+        first.get_or_insert((bytes.len(), live() - decoding));
         cut(&mut k);
         let event = Event::InitApply(k);
         if keep(&event) {
@@ -151,7 +153,30 @@ where
     }
     writer.apply_watcher_event(&Event::InitDone);
     let count = writer.as_reader().len();
-    Ok((writer, live() - before, count))
+    let (wire, decoded) = first.unwrap_or_default();
+    Ok(Held {
+        bytes: live() - before,
+        writer,
+        count,
+        wire,
+        decoded,
+    })
+}
+
+/// What [`held`] measured.
+struct Held<K: kube::runtime::reflector::Lookup + Clone + 'static>
+where
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    writer: Writer<K>,
+    /// Heap the store holds.
+    bytes: usize,
+    /// Objects stored.
+    count: usize,
+    /// The first object's JSON, and the heap it took decoded, before the cut: what a page of a
+    /// paged list holds per object while it is decoded.
+    wire: usize,
+    decoded: usize,
 }
 
 /// The first object in a store.
@@ -196,7 +221,7 @@ fn main() -> BoxResult<()> {
     })?;
     let baseline = live();
 
-    let (node_writer, node_bytes, node_count) = held::<Node, _>(
+    let nodes = held::<Node, _>(
         (0..n).map(node),
         |node| Ok(serde_json::to_vec(&stored(&node, 0)?)?),
         trim_node,
@@ -204,12 +229,12 @@ fn main() -> BoxResult<()> {
     )?;
 
     let labels: BTreeMap<String, String> = node(0)?.labels().clone();
-    let gpunodes = (0..n).map(|i| -> BoxResult<(u64, GpuNode)> {
+    let desired = (0..n).map(|i| -> BoxResult<(u64, GpuNode)> {
         let name = format!("scale-{i:05}");
         Ok((i, desired_gpunode(&pool, &name, &labels).0))
     });
-    let (gn_writer, gn_bytes, gn_count) = held::<GpuNode, _>(
-        gpunodes,
+    let gpunodes = held::<GpuNode, _>(
+        desired,
         |(i, mut gn)| {
             gn.metadata.generation = Some(1);
             let mut status = mig_node_status(&gn, &gpu_holders(i, per_node));
@@ -224,7 +249,7 @@ fn main() -> BoxResult<()> {
         |_| true,
     )?;
     let gn_parts = {
-        let one = first(&gn_writer)?;
+        let one = first(&gpunodes.writer)?;
         [
             ("metadata", bytes_of(&one.metadata)),
             ("spec", bytes_of(&one.spec)),
@@ -235,35 +260,41 @@ fn main() -> BoxResult<()> {
             ("status", bytes_of(&one.status)),
         ]
     };
-    let pods = (0..n).flat_map(|i| (0..per_node).map(move |k| (i, k)));
-    let (pod_writer, pod_bytes, pod_count) = held::<CachedPod, _>(
-        pods.map(|(i, k)| -> BoxResult<(u64, Pod)> { Ok((i * per_node + k, pod(i, k, 0)?)) }),
+    let each_pod = (0..n).flat_map(|i| (0..per_node).map(move |k| (i, k)));
+    let pods = held::<CachedPod, _>(
+        each_pod.map(|(i, k)| -> BoxResult<(u64, Pod)> { Ok((i * per_node + k, pod(i, k, 0)?)) }),
         |(uid, pod)| running(pod, uid),
         |_| {},
         keep_pod,
     )?;
 
     println!(
-        "operator caches after the initial lists, {n} nodes × 8 GPUs, {} pods ({pod_count} \
+        "operator caches after the initial lists, {n} nodes × 8 GPUs, {} pods ({} \
          holding GPUs): heap held by the stores (counting allocator)\n",
-        n * per_node
+        n * per_node,
+        pods.count
     );
     println!("| cache | objects | held | per object | per 1,000 nodes |");
     println!("|---|---|---|---|---|");
-    row("Node (trim_node)", node_count, node_bytes, n);
-    row("GpuNode (trim_gpunode)", gn_count, gn_bytes, n);
-    row("GPU pods (CachedPod)", pod_count, pod_bytes, n);
+    row("Node (trim_node)", nodes.count, nodes.bytes, n);
+    row("GpuNode (trim_gpunode)", gpunodes.count, gpunodes.bytes, n);
+    row("GPU pods (CachedPod)", pods.count, pods.bytes, n);
     let total = live() - baseline;
-    row("all three", node_count + gn_count + pod_count, total, n);
+    row(
+        "all three",
+        nodes.count + gpunodes.count + pods.count,
+        total,
+        n,
+    );
     let node_parts = {
-        let one = first(&node_writer)?;
+        let one = first(&nodes.writer)?;
         [
             ("metadata", bytes_of(&one.metadata)),
             ("spec", bytes_of(&one.spec)),
             ("status", bytes_of(&one.status)),
         ]
     };
-    let pod_parts = [("metadata", bytes_of(&first(&pod_writer)?.metadata))];
+    let pod_parts = [("metadata", bytes_of(&first(&pods.writer)?.metadata))];
     println!("\nheap of one cached object's parts (a clone of each, measured):");
     for (kind, parts) in [
         ("Node", &node_parts[..]),
@@ -272,6 +303,20 @@ fn main() -> BoxResult<()> {
     ] {
         let parts: Vec<String> = parts.iter().map(|(p, b)| format!("{p} {b} B")).collect();
         println!("- {kind}: {}", parts.join(", "));
+    }
+    println!(
+        "\none object on the wire, and decoded before the cut (a paged list holds a page of these):"
+    );
+    for (kind, wire, decoded) in [
+        ("Node", nodes.wire, nodes.decoded),
+        ("GpuNode", gpunodes.wire, gpunodes.decoded),
+        (
+            "pod (folded into a CachedPod as it is decoded)",
+            pods.wire,
+            pods.decoded,
+        ),
+    ] {
+        println!("- {kind}: {wire} B of JSON, {decoded} B decoded");
     }
     Ok(())
 }
