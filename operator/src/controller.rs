@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::cache::{CachedPod, SharedLayouts, keep_pod, trim_node};
-use crate::context::{Context, FIELD_MANAGER, InitialList, LIST_PAGE, Settings};
+use crate::context::{Context, FIELD_MANAGER, GPUNODE_LIST_PAGE, InitialList, LIST_PAGE, Settings};
 use crate::error::{Error, Failures, Result};
 use crate::liveness::Liveness;
 use crate::metrics::{ErrorLabels, Metrics, ReconcileLabels};
@@ -710,11 +710,12 @@ fn relevant_node_changes(
         .flatten()
 }
 
-/// The watch configuration every cache starts from (see [`InitialList`]).
-fn watcher_config(initial_list: InitialList) -> watcher::Config {
+/// The watch configuration every cache starts from (see [`InitialList`]), `page` objects a
+/// page where the list is paged.
+fn watcher_config(initial_list: InitialList, page: u32) -> watcher::Config {
     let cfg = watcher::Config::default();
     match initial_list {
-        InitialList::Paged => cfg.page_size(LIST_PAGE),
+        InitialList::Paged => cfg.page_size(page),
         InitialList::Cache => watcher::Config {
             page_size: None,
             ..cfg.any_semantic()
@@ -742,14 +743,18 @@ pub async fn run(
     let (pod_store, pod_writer) = reflector::store::<CachedPod>();
     let (ns_store, ns_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
 
-    let cfg = watcher_config(settings.initial_list);
+    let cfg = watcher_config(settings.initial_list, LIST_PAGE);
     let liveness = Arc::new(Liveness::default());
     let seen = liveness.clone();
     // Heartbeats are timed as the watch delivers them (see crate::liveness).
     let mut layouts = SharedLayouts::default();
     let gn_stream = reflector(
         gn_writer,
-        watcher(gn_api, cfg.clone()).modify(move |gn| layouts.trim(gn)),
+        watcher(
+            gn_api,
+            watcher_config(settings.initial_list, GPUNODE_LIST_PAGE),
+        )
+        .modify(move |gn| layouts.trim(gn)),
     )
     .default_backoff()
     .inspect_err(watch_failed("GpuNode"))
@@ -901,17 +906,19 @@ mod tests {
 
     #[test]
     fn each_initial_list_asks_the_api_server_for_what_it_says() {
-        let paged = watcher_config(InitialList::Paged);
+        let paged = watcher_config(InitialList::Paged, LIST_PAGE);
         assert_eq!(paged.page_size, Some(LIST_PAGE));
+        let gpunodes = watcher_config(InitialList::Paged, GPUNODE_LIST_PAGE);
+        assert_eq!(gpunodes.page_size, Some(GPUNODE_LIST_PAGE));
         assert_eq!(paged.list_semantic, ListSemantic::MostRecent);
         assert_eq!(paged.initial_list_strategy, InitialListStrategy::ListWatch);
 
-        let cache = watcher_config(InitialList::Cache);
+        let cache = watcher_config(InitialList::Cache, LIST_PAGE);
         assert_eq!(cache.page_size, None);
         assert_eq!(cache.list_semantic, ListSemantic::Any);
         assert_eq!(cache.initial_list_strategy, InitialListStrategy::ListWatch);
 
-        let streaming = watcher_config(InitialList::Streaming);
+        let streaming = watcher_config(InitialList::Streaming, LIST_PAGE);
         assert_eq!(
             streaming.initial_list_strategy,
             InitialListStrategy::StreamingList
