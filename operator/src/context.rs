@@ -49,7 +49,8 @@ pub struct Settings {
 /// while it is decoded, and a restart lists every pod, node and GpuNode at once.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum InitialList {
-    /// Pages of [`LIST_PAGE`] objects, each a consistent read: one page in memory at a time.
+    /// Pages of [`LIST_PAGE`] objects ([`GPUNODE_LIST_PAGE`] GpuNodes), each a consistent read:
+    /// one page in memory at a time.
     #[default]
     Paged,
     /// One unpaged answer from the API server's watch cache (`resourceVersion=0`): the fewest
