@@ -1,7 +1,7 @@
 //! The operator against the real control plane: pools become Ready from the agents' reports,
 //! membership follows node labels, overlapping pools conflict, deletion cleans up, a refused
-//! API call shows in the pool's status until it goes through, and a standby replica takes over
-//! when the leader dies.
+//! API call shows in the pool's status until it goes through, a standby replica takes over
+//! when the leader dies, and a leader that loses its Lease stands by and leads again.
 
 #[path = "operator_support.rs"]
 mod support;
@@ -464,6 +464,90 @@ async fn a_standby_replica_takes_over_when_the_leader_dies() -> Result<()> {
         .await
         .with_context(|| b.log_tail())?;
     wait_gpunode_gone(&client, &n).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_leader_that_loses_its_lease_stands_by_and_leads_again() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let scope = TestScope::new(cluster, "op-relead")?;
+    let client = cluster.client().await?;
+    let lease = scope.name("lease");
+    let mut a = Operator::start(cluster, &scope, "replica-a", &lease)?;
+    let ns = scope.namespace().to_owned();
+    let holder = || {
+        let client = client.clone();
+        let lease = lease.clone();
+        let ns = ns.clone();
+        async move { lease_holder(&client, &ns, &lease).await }
+    };
+    let leader = wait::poll("a leader", REACT, POLL, holder)
+        .await
+        .with_context(|| a.log_tail())?;
+    assert_eq!(leader, "replica-a");
+
+    // Another identity takes the Lease, as a standby does when a renewal comes too late.
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+    let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(Timestamp::now());
+    leases
+        .patch(
+            &lease,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": {
+                "holderIdentity": "intruder",
+                "acquireTime": now,
+                "renewTime": now,
+                "leaseDurationSeconds": 12,
+            } })),
+        )
+        .await?;
+    wait::poll("replica-a stands by", REACT, POLL, || {
+        let standing_by = a.logged("standing by");
+        async move { Ok(standing_by.then_some(())) }
+    })
+    .await
+    .with_context(|| a.log_tail())?;
+    assert!(
+        a.is_running(),
+        "exited on losing the Lease:\n{}",
+        a.log_tail()
+    );
+    let metrics = a.metrics().await?;
+    assert!(
+        metrics.lines().any(|l| l == "gpupool_leader 0"),
+        "a replica standing by says it leads:\n{metrics}"
+    );
+
+    // The intruder never renews: once its Lease expires, replica-a leads again and reconciles.
+    let (k, v) = scope.label();
+    let pool = scope.name("pool");
+    apply_pool(
+        &client,
+        &scope,
+        &pool,
+        json!({ "nodeSelector": { "matchLabels": { k: v } } }),
+    )
+    .await?;
+    let leader = wait::poll("replica-a leads again", REACT, POLL, || async {
+        Ok(holder().await?.filter(|h| h == "replica-a"))
+    })
+    .await
+    .with_context(|| a.log_tail())?;
+    assert_eq!(leader, "replica-a");
+    wait_pool(&client, &pool, "a status from the new term", |p| {
+        p.status.is_some()
+    })
+    .await
+    .with_context(|| a.log_tail())?;
+    let metrics = a.metrics().await?;
+    assert!(
+        metrics.lines().any(|l| l == "gpupool_leader 1"),
+        "leading again but not saying so:\n{metrics}"
+    );
+    delete_pool(&client, &pool)
+        .await
+        .with_context(|| a.log_tail())?;
     Ok(())
 }
 

@@ -88,6 +88,9 @@ impl Operator {
             ])
             .args(extra)
             .env("KUBECONFIG", cluster.kubeconfig())
+            // An error it exits with then ends its log, where `log_tail` shows it, instead
+            // of a backtrace longer than the tail.
+            .env("RUST_BACKTRACE", "0")
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -151,6 +154,11 @@ impl Operator {
             format!("GET /metrics: {head}")
         })?;
         Ok(body.to_owned())
+    }
+
+    /// Whether its log has a line containing `needle` so far.
+    pub fn logged(&self, needle: &str) -> bool {
+        std::fs::read_to_string(&self.log).is_ok_and(|t| t.lines().any(|l| l.contains(needle)))
     }
 
     /// The tail of its log, for failure messages.

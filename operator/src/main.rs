@@ -250,8 +250,11 @@ async fn main() -> Result<()> {
     result
 }
 
-/// Waits for the Lease, runs the controller while it is held, and exits if it is lost (the
-/// supervisor restarts the pod, which then stands by).
+/// Leads whenever it holds the Lease: waits for it, runs the controller while it is held, and
+/// when it is lost (another replica took it, say after a renewal the API answered too late)
+/// stops the controller and stands by again. Standing by in the process, rather than exiting
+/// for the supervisor to restart it, keeps a replica on hand: a process that exits can leave
+/// none while its restart backs off, and nothing restarts a replica run outside a pod.
 async fn run_as_leader(
     args: &Args,
     client: Client,
@@ -260,6 +263,41 @@ async fn run_as_leader(
     settings: Settings,
     shutdown: CancellationToken,
 ) -> Result<()> {
+    loop {
+        let term = lead_once(
+            args,
+            client.clone(),
+            evict_client.clone(),
+            metrics.clone(),
+            settings.clone(),
+            shutdown.clone(),
+        )
+        .await?;
+        match term {
+            Term::Done => return Ok(()),
+            Term::Lost => warn!("lost the leader Lease; the controller stopped, standing by"),
+        }
+    }
+}
+
+/// How one term of leadership ended.
+enum Term {
+    /// Shut down (or the controller finished): the process is done.
+    Done,
+    /// The Lease went to another identity; the controller has stopped.
+    Lost,
+}
+
+/// One term: waits for the Lease and runs the controller until the Lease is lost or the
+/// process shuts down.
+async fn lead_once(
+    args: &Args,
+    client: Client,
+    evict_client: Client,
+    metrics: Arc<Metrics>,
+    settings: Settings,
+    shutdown: CancellationToken,
+) -> Result<Term> {
     let mut builder = LeaseManagerBuilder::new(client.clone(), &args.lease_name)
         .with_namespace(&args.lease_namespace)
         .with_duration(args.lease_duration)
@@ -282,7 +320,7 @@ async fn run_as_leader(
             _ = shutdown.cancelled() => {
                 drop(leading);
                 let _ = lease_task.await;
-                return Ok(());
+                return Ok(Term::Done);
             }
             changed = leading.changed() => {
                 changed.context("the leader election task stopped")?;
@@ -301,7 +339,7 @@ async fn run_as_leader(
     ));
     let outcome = tokio::select! {
         done = &mut controller => match done {
-            Ok(r) => r.map_err(anyhow::Error::from),
+            Ok(r) => r.map(|()| Term::Done).map_err(anyhow::Error::from),
             Err(e) => Err(anyhow::Error::from(e).context("the controller task failed")),
         },
         () = async {
@@ -313,12 +351,12 @@ async fn run_as_leader(
         } => {
             controller_stop.cancel();
             let _ = controller.await;
-            Err(anyhow::anyhow!("lost the leader Lease; exiting so a fresh replica stands by"))
+            Ok(Term::Lost)
         }
     };
     metrics.leader.set(0);
-    // Dropping the receiver makes the lease task release the Lease, so a standby takes over
-    // at once instead of after the Lease expires.
+    // Dropping the receiver makes the lease task release the Lease (if this replica still
+    // holds it), so a standby takes over at once instead of after the Lease expires.
     drop(leading);
     match tokio::time::timeout(Duration::from_secs(5), lease_task).await {
         Ok(Ok(Ok(_))) => info!("released the leader Lease"),
