@@ -388,6 +388,22 @@ async fn lease_holder(client: &kube::Client, ns: &str, name: &str) -> Result<Opt
         .and_then(|s| s.holder_identity))
 }
 
+/// Waits until `name` has a holder, `want` when given; the holder.
+async fn wait_lease_holder(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    want: Option<&str>,
+) -> Result<String> {
+    let what = want.map_or_else(|| "a leader".to_owned(), |w| format!("{w} leading"));
+    wait::poll(&what, REACT, POLL, || async {
+        Ok(lease_holder(client, ns, name)
+            .await?
+            .filter(|h| want.is_none_or(|w| h == w)))
+    })
+    .await
+}
+
 #[tokio::test]
 async fn a_standby_replica_takes_over_when_the_leader_dies() -> Result<()> {
     let cluster = Cluster::shared()?;
@@ -403,14 +419,9 @@ async fn a_standby_replica_takes_over_when_the_leader_dies() -> Result<()> {
     )?;
     let lease = scope.name("lease");
     let mut a = Operator::start(cluster, &scope, "replica-a", &lease)?;
-    let leader = wait::poll("a leader", REACT, POLL, || {
-        let client = client.clone();
-        let lease = lease.clone();
-        let ns = scope.namespace().to_owned();
-        async move { lease_holder(&client, &ns, &lease).await }
-    })
-    .await
-    .with_context(|| a.log_tail())?;
+    let leader = wait_lease_holder(&client, scope.namespace(), &lease, None)
+        .await
+        .with_context(|| a.log_tail())?;
     assert_eq!(leader, "replica-a");
     let b = Operator::start(cluster, &scope, "replica-b", &lease)?;
     let (k, v) = scope.label();
@@ -475,20 +486,14 @@ async fn a_leader_that_loses_its_lease_stands_by_and_leads_again() -> Result<()>
     let client = cluster.client().await?;
     let lease = scope.name("lease");
     let mut a = Operator::start(cluster, &scope, "replica-a", &lease)?;
-    let ns = scope.namespace().to_owned();
-    let holder = || {
-        let client = client.clone();
-        let lease = lease.clone();
-        let ns = ns.clone();
-        async move { lease_holder(&client, &ns, &lease).await }
-    };
-    let leader = wait::poll("a leader", REACT, POLL, holder)
+    let ns = scope.namespace();
+    let leader = wait_lease_holder(&client, ns, &lease, None)
         .await
         .with_context(|| a.log_tail())?;
     assert_eq!(leader, "replica-a");
 
     // Another identity takes the Lease, as a standby does when a renewal comes too late.
-    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
     let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(Timestamp::now());
     leases
         .patch(
@@ -529,11 +534,9 @@ async fn a_leader_that_loses_its_lease_stands_by_and_leads_again() -> Result<()>
         json!({ "nodeSelector": { "matchLabels": { k: v } } }),
     )
     .await?;
-    let leader = wait::poll("replica-a leads again", REACT, POLL, || async {
-        Ok(holder().await?.filter(|h| h == "replica-a"))
-    })
-    .await
-    .with_context(|| a.log_tail())?;
+    let leader = wait_lease_holder(&client, ns, &lease, Some("replica-a"))
+        .await
+        .with_context(|| a.log_tail())?;
     assert_eq!(leader, "replica-a");
     wait_pool(&client, &pool, "a status from the new term", |p| {
         p.status.is_some()
