@@ -10,7 +10,8 @@
 //!   unbound. A cached pod is stored flat, not as a `Pod` (whose empty spec, status and
 //!   container structs alone take about 4.5 KiB), and is unfolded with [`CachedPod::to_pod`]
 //!   only for the pods a decision looks at.
-//! - **Nodes**: labels, taints and the Ready condition ([`trim_node`]).
+//! - **Nodes** ([`CachedNode`]): name, labels, taints and the Ready condition's status, stored
+//!   flat.
 //! - **GpuNodes** ([`trim_gpunode`]): the agent's status less what only the node itself uses:
 //!   PCI bus IDs, MIG device UUIDs and CDI names, a healthy GPU's UUID (the pool names a GPU
 //!   by UUID only when it is unhealthy), passed checks' messages, and the MIG devices no pod
@@ -31,7 +32,7 @@ use std::sync::{Arc, Weak};
 use gpupool_crds::GpuNode;
 use gpupool_crds::node::{Health, NodeMigSpec};
 use k8s_openapi::api::core::v1::{
-    Affinity, Container, Node, Pod, PodSpec, PodStatus, ResourceRequirements, Toleration,
+    Affinity, Container, Node, Pod, PodSpec, PodStatus, ResourceRequirements, Taint, Toleration,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -338,23 +339,96 @@ impl kube::Resource for CachedPod {
     }
 }
 
-/// Cuts a Node to its labels, taints and Ready condition.
-pub fn trim_node(node: &mut Node) {
-    node.metadata.managed_fields = None;
-    node.metadata.annotations = None;
-    if let Some(spec) = node.spec.as_mut() {
-        spec.pod_cidr = None;
-        spec.pod_cidrs = None;
-        spec.provider_id = None;
-        spec.config_source = None;
+/// What the operator keeps of a Node: its name, resource version and labels, its taints, and
+/// the status of its Ready condition. The Node watch deserializes into it (a `Node` first,
+/// folded at once), so the cache holds none of a `Node`'s spec and status structs, which take
+/// about 1.2 KiB inline however little they carry.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(from = "Node")]
+pub struct CachedNode {
+    /// The Node's name, resource version (the taint patch's guard) and labels; the rest of its
+    /// metadata is dropped.
+    pub metadata: ObjectMeta,
+    taints: Vec<Taint>,
+    ready: Option<Readiness>,
+}
+
+/// The status of a Node's Ready condition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Readiness {
+    True,
+    False,
+    /// `Unknown`, and any status the API adds later.
+    Unknown,
+}
+
+impl From<Node> for CachedNode {
+    fn from(node: Node) -> Self {
+        let meta = node.metadata;
+        let ready = node
+            .status
+            .and_then(|s| s.conditions)
+            .and_then(|cs| cs.into_iter().find(|c| c.type_ == "Ready"))
+            .map(|c| match c.status.as_str() {
+                "True" => Readiness::True,
+                "False" => Readiness::False,
+                _ => Readiness::Unknown,
+            });
+        CachedNode {
+            metadata: ObjectMeta {
+                name: meta.name,
+                resource_version: meta.resource_version,
+                labels: meta.labels,
+                ..ObjectMeta::default()
+            },
+            taints: node.spec.and_then(|s| s.taints).unwrap_or_default(),
+            ready,
+        }
     }
-    if let Some(status) = node.status.as_mut() {
-        let ready = status
-            .conditions
-            .take()
-            .map(|cs| cs.into_iter().filter(|c| c.type_ == "Ready").collect());
-        *status = Default::default();
-        status.conditions = ready;
+}
+
+impl CachedNode {
+    /// The Node's taints.
+    pub fn taints(&self) -> &[Taint] {
+        &self.taints
+    }
+
+    /// The status of its Ready condition (`True`, `False` or `Unknown`), if it has one.
+    pub fn ready_status(&self) -> Option<&'static str> {
+        self.ready.map(|r| match r {
+            Readiness::True => "True",
+            Readiness::False => "False",
+            Readiness::Unknown => "Unknown",
+        })
+    }
+
+    /// Whether its Ready condition is `True`.
+    pub fn is_ready(&self) -> bool {
+        self.ready == Some(Readiness::True)
+    }
+}
+
+impl kube::Resource for CachedNode {
+    type DynamicType = ();
+    type Scope = k8s_openapi::ClusterResourceScope;
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        <Node as k8s_openapi::Resource>::KIND.into()
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        <Node as k8s_openapi::Resource>::GROUP.into()
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        <Node as k8s_openapi::Resource>::VERSION.into()
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        <Node as k8s_openapi::Resource>::URL_PATH_SEGMENT.into()
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
     }
 }
 
@@ -444,6 +518,7 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
     use k8s_openapi::jiff::Timestamp;
+    use kube::ResourceExt;
 
     use super::*;
     use crate::demand::requests_gpu;
@@ -667,6 +742,91 @@ mod tests {
         p.metadata.annotations = Some(BTreeMap::from([("a".into(), "b".into())]));
         trim_pod(&mut p);
         assert_eq!(p.metadata.annotations, None);
+    }
+
+    /// A Node as the API server sends one: everything a kubelet reports, and a Ready condition
+    /// among others.
+    fn full_node(ready: &str) -> Node {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": "gpu-1",
+                "uid": "0c1d",
+                "resourceVersion": "42",
+                "labels": { "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "zone": "a" },
+                "annotations": { "node.alpha.kubernetes.io/ttl": "0" },
+                "managedFields": [{ "manager": "kubelet", "operation": "Update" }],
+            },
+            "spec": {
+                "podCIDR": "10.0.0.0/24",
+                "providerID": "kwok://gpu-1",
+                "taints": [
+                    { "key": "gpupool.io/driver-invalid", "effect": "NoSchedule" },
+                    { "key": "dedicated", "value": "ml", "effect": "NoExecute",
+                      "timeAdded": "2026-12-05T10:00:00Z" },
+                ],
+            },
+            "status": {
+                "capacity": { "cpu": "96", "nvidia.com/gpu": "8" },
+                "conditions": [
+                    { "type": "MemoryPressure", "status": "False" },
+                    { "type": "Ready", "status": ready, "reason": "KubeletReady" },
+                ],
+                "nodeInfo": { "kubeletVersion": "v1.36.0", "architecture": "amd64",
+                  "bootID": "", "containerRuntimeVersion": "", "kernelVersion": "",
+                  "kubeProxyVersion": "", "machineID": "", "operatingSystem": "linux",
+                  "osImage": "", "systemUUID": "" },
+            },
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_cached_node_keeps_its_labels_taints_and_readiness() {
+        let node = full_node("True");
+        let wire = serde_json::to_vec(&node).unwrap();
+        let cached: CachedNode = serde_json::from_slice(&wire).unwrap();
+
+        assert_eq!(cached.name_any(), "gpu-1");
+        assert_eq!(cached.resource_version().as_deref(), Some("42"));
+        assert_eq!(cached.labels(), node.labels());
+        // Taints are kept whole: a taint patch replaces the list and must not lose timeAdded.
+        assert_eq!(
+            cached.taints(),
+            node.spec.as_ref().unwrap().taints.as_deref().unwrap()
+        );
+        assert_eq!(cached.ready_status(), Some("True"));
+        assert!(cached.is_ready());
+        // Nothing else of the metadata is held.
+        assert_eq!(
+            cached.metadata,
+            ObjectMeta {
+                name: Some("gpu-1".into()),
+                resource_version: Some("42".into()),
+                labels: node.metadata.labels.clone(),
+                ..ObjectMeta::default()
+            }
+        );
+    }
+
+    #[test]
+    fn a_cached_node_tells_each_readiness_apart() {
+        for (status, want) in [
+            ("True", Some("True")),
+            ("False", Some("False")),
+            ("Unknown", Some("Unknown")),
+            ("Degraded", Some("Unknown")),
+        ] {
+            let cached = CachedNode::from(full_node(status));
+            assert_eq!(cached.ready_status(), want, "{status}");
+            assert_eq!(cached.is_ready(), status == "True", "{status}");
+        }
+        let mut bare = full_node("True");
+        bare.status = None;
+        bare.spec = None;
+        let cached = CachedNode::from(bare);
+        assert_eq!(cached.ready_status(), None);
+        assert!(!cached.is_ready());
+        assert!(cached.taints().is_empty());
     }
 
     #[test]

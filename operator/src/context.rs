@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use gpupool_crds::{GpuNode, GpuPool};
-use k8s_openapi::api::core::v1::{Namespace, Node, ObjectReference, Pod};
+use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::PartialObjectMeta;
@@ -18,6 +18,7 @@ use kube::runtime::events::{Event, Recorder};
 use kube::runtime::reflector::Store;
 use tracing::warn;
 
+use crate::cache::CachedNode;
 use crate::liveness::Liveness;
 use crate::metrics::Metrics;
 /// Field manager for every write.
@@ -96,8 +97,8 @@ pub struct Context {
     pub evict_client: Client,
     /// GpuPools (as the controller sees them).
     pub pools: Store<DeserializeGuard<GpuPool>>,
-    /// Nodes, status stripped.
-    pub nodes: Store<Node>,
+    /// Nodes: labels, taints and readiness.
+    pub nodes: Store<CachedNode>,
     /// GpuNodes.
     pub gpunodes: Store<GpuNode>,
     /// Pods, trimmed to what the reclaimer and drain need.

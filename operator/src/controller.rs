@@ -26,7 +26,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::cache::{CachedPod, SharedLayouts, keep_pod, trim_node};
+use crate::cache::{CachedNode, CachedPod, SharedLayouts, keep_pod};
 use crate::context::{Context, FIELD_MANAGER, GPUNODE_LIST_PAGE, InitialList, LIST_PAGE, Settings};
 use crate::error::{Error, Failures, Result};
 use crate::liveness::Liveness;
@@ -192,14 +192,9 @@ pub(crate) fn owned_by(gn: &GpuNode, pool: &GpuPool) -> bool {
         .any(|o| Some(&o.uid) == uid.as_ref())
 }
 
-/// The operator's taints `node` carries.
-pub(crate) fn operator_taints(node: &Node) -> BTreeSet<&'static str> {
-    let keys: BTreeSet<&str> = node
-        .spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .map(|t| t.iter().map(|t| t.key.as_str()).collect())
-        .unwrap_or_default();
+/// The operator's taints among a node's `taints`.
+pub(crate) fn operator_taints(taints: &[Taint]) -> BTreeSet<&'static str> {
+    let keys: BTreeSet<&str> = taints.iter().map(|t| t.key.as_str()).collect();
     OPERATOR_TAINTS
         .into_iter()
         .filter(|k| keys.contains(k))
@@ -312,7 +307,7 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
                 .filter(|gn| owned_by(gn, pool))
                 .map(|gn| gn.as_ref()),
             layout_problem: resolved.problem.clone(),
-            node_ready: node_ready_status(node) == Some("True"),
+            node_ready: node.is_ready(),
             agent: ctx
                 .liveness
                 .judge(&node_name, now, ctx.settings.agent_stale_after),
@@ -503,14 +498,14 @@ async fn delete_gpunode(api: &Api<GpuNode>, name: &str, ctx: &Context) -> Result
 /// Sets the pool label (or removes it with `None`) and the operator's taints (exactly `want`),
 /// in one patch, only when something differs.
 async fn sync_node(
-    node: &Node,
+    node: &CachedNode,
     pool: Option<&str>,
     want: &BTreeSet<String>,
     ctx: &Context,
 ) -> Result<()> {
     let node_name = node.name_any();
     let label_ok = node.labels().get(POOL_LABEL).map(String::as_str) == pool;
-    let taint_ok = operator_taints(node)
+    let taint_ok = operator_taints(node.taints())
         .into_iter()
         .eq(want.iter().map(String::as_str));
     if label_ok && taint_ok {
@@ -519,12 +514,10 @@ async fn sync_node(
     let mut patch = json!({ "metadata": { "labels": { POOL_LABEL: pool } } });
     if !taint_ok {
         let mut taints: Vec<Taint> = node
-            .spec
-            .as_ref()
-            .and_then(|s| s.taints.clone())
-            .unwrap_or_default()
-            .into_iter()
+            .taints()
+            .iter()
             .filter(|t| !OPERATOR_TAINTS.contains(&t.key.as_str()))
+            .cloned()
             .collect();
         for key in want {
             taints.push(Taint {
@@ -660,36 +653,28 @@ fn watch_failed(kind: &'static str) -> impl Fn(&watcher::Error) {
 }
 
 /// What about a node concerns a pool: labels (membership, GPU model), taints, readiness.
-fn node_fingerprint(node: &Node) -> u64 {
+fn node_fingerprint(node: &CachedNode) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     node.labels().hash(&mut h);
-    if let Some(taints) = node.spec.as_ref().and_then(|s| s.taints.as_ref()) {
-        for t in taints {
-            (&t.key, &t.effect, &t.value).hash(&mut h);
-        }
+    for t in node.taints() {
+        (&t.key, &t.effect, &t.value).hash(&mut h);
     }
-    node_ready_status(node).hash(&mut h);
+    node.ready_status().hash(&mut h);
     h.finish()
-}
-
-fn node_ready_status(node: &Node) -> Option<&str> {
-    node.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
-        .map(|c| c.status.as_str())
 }
 
 /// Node events that matter: changes of [`node_fingerprint`] and deletions. Heartbeats, which
 /// are most node updates, are dropped, so they cost no reconcile.
 fn relevant_node_changes(
-    events: impl futures::Stream<Item = Result<watcher::Event<Node>, watcher::Error>> + Send + 'static,
-) -> impl futures::Stream<Item = Result<Node, watcher::Error>> + Send + 'static {
+    events: impl futures::Stream<Item = Result<watcher::Event<CachedNode>, watcher::Error>>
+    + Send
+    + 'static,
+) -> impl futures::Stream<Item = Result<CachedNode, watcher::Error>> + Send + 'static {
     let mut seen: HashMap<String, u64> = HashMap::new();
     events
         .map(move |ev| {
-            let out: Vec<Result<Node, watcher::Error>> = match ev {
+            let out: Vec<Result<CachedNode, watcher::Error>> = match ev {
                 Err(e) => vec![Err(e)],
                 Ok(watcher::Event::Apply(n)) | Ok(watcher::Event::InitApply(n)) => {
                     let fp = node_fingerprint(&n);
@@ -734,12 +719,12 @@ pub async fn run(
 ) -> Result<()> {
     let pools_api: Api<DeserializeGuard<GpuPool>> = Api::all(client.clone());
     let gn_api: Api<GpuNode> = Api::all(client.clone());
-    let node_api: Api<Node> = Api::all(client.clone());
+    let node_api: Api<CachedNode> = Api::all(client.clone());
     let pod_api: Api<CachedPod> = Api::all(client.clone());
     let ns_api: Api<PartialObjectMeta<Namespace>> = Api::all(client.clone());
 
     let (gn_store, gn_writer) = reflector::store::<GpuNode>();
-    let (node_store, node_writer) = reflector::store::<Node>();
+    let (node_store, node_writer) = reflector::store::<CachedNode>();
     let (pod_store, pod_writer) = reflector::store::<CachedPod>();
     let (ns_store, ns_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
 
@@ -761,12 +746,9 @@ pub async fn run(
     .touched_objects()
     .inspect_ok(move |gn: &GpuNode| seen.observe_gpunode(gn, Timestamp::now()));
     let node_stream = relevant_node_changes(
-        reflector(
-            node_writer,
-            watcher(node_api, cfg.clone()).modify(trim_node),
-        )
-        .default_backoff()
-        .inspect_err(watch_failed("Node")),
+        reflector(node_writer, watcher(node_api, cfg.clone()))
+            .default_backoff()
+            .inspect_err(watch_failed("Node")),
     );
     let pod_stream = reflector(
         pod_writer,
@@ -818,7 +800,7 @@ pub async fn run(
 
     // A node change concerns the pools that match it and the pool its label names.
     let pools_for_nodes = pool_store.clone();
-    let node_to_pools = move |node: Node| {
+    let node_to_pools = move |node: CachedNode| {
         let labels = node.labels().clone();
         pools_for_nodes
             .state()

@@ -10,10 +10,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{
-    Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec, ResourceRequirements, Taint,
+    NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec, ResourceRequirements, Taint,
     Toleration,
 };
 use kube::ResourceExt;
+
+use crate::cache::CachedNode;
 
 /// Whether a pod asks for GPUs (`nvidia.com/gpu` or `nvidia.com/mig-*`).
 pub fn requests_gpu(pod: &Pod) -> bool {
@@ -44,7 +46,10 @@ pub fn is_gpu_resource(name: &str) -> bool {
 }
 
 /// Whether some pod wants GPUs, waits to be scheduled, and could run on one of `nodes`.
-pub fn demand_pending<'a>(pods: impl IntoIterator<Item = &'a Pod>, nodes: &[Arc<Node>]) -> bool {
+pub fn demand_pending<'a>(
+    pods: impl IntoIterator<Item = &'a Pod>,
+    nodes: &[Arc<CachedNode>],
+) -> bool {
     pods.into_iter()
         .filter(|p| awaits_scheduling(p) && requests_gpu(p))
         .any(|p| nodes.iter().any(|n| could_run_on(p, n)))
@@ -63,7 +68,7 @@ fn awaits_scheduling(pod: &Pod) -> bool {
 
 /// Whether the scheduler's node-level filters would let `pod` onto `node`: node selector,
 /// required node affinity and taints.
-pub fn could_run_on(pod: &Pod, node: &Node) -> bool {
+pub fn could_run_on(pod: &Pod, node: &CachedNode) -> bool {
     let Some(spec) = pod.spec.as_ref() else {
         return false;
     };
@@ -78,7 +83,7 @@ pub fn could_run_on(pod: &Pod, node: &Node) -> bool {
 
 /// Required node affinity: at least one term matches (terms are ORed; an absent affinity
 /// allows every node).
-fn affinity_allows(spec: &PodSpec, node: &Node) -> bool {
+fn affinity_allows(spec: &PodSpec, node: &CachedNode) -> bool {
     let Some(required) = spec
         .affinity
         .as_ref()
@@ -97,7 +102,7 @@ fn affinity_allows(spec: &PodSpec, node: &Node) -> bool {
 }
 
 /// A term matches when all its expressions and fields do; an empty term matches no node.
-fn term_matches(term: &NodeSelectorTerm, node: &Node) -> bool {
+fn term_matches(term: &NodeSelectorTerm, node: &CachedNode) -> bool {
     let exprs = term.match_expressions.as_deref().unwrap_or_default();
     let fields = term.match_fields.as_deref().unwrap_or_default();
     if exprs.is_empty() && fields.is_empty() {
@@ -142,7 +147,7 @@ pub fn label_requirement_matches(
 }
 
 /// `matchFields`: the only field Kubernetes supports is `metadata.name`, with `In`/`NotIn`.
-pub fn field_requirement_matches(req: &NodeSelectorRequirement, node: &Node) -> bool {
+pub fn field_requirement_matches(req: &NodeSelectorRequirement, node: &CachedNode) -> bool {
     if req.key != "metadata.name" {
         return false;
     }
@@ -156,12 +161,9 @@ pub fn field_requirement_matches(req: &NodeSelectorRequirement, node: &Node) -> 
 }
 
 /// Every taint that keeps pods off (`NoSchedule`, `NoExecute`) is tolerated.
-fn tolerates_taints(spec: &PodSpec, node: &Node) -> bool {
+fn tolerates_taints(spec: &PodSpec, node: &CachedNode) -> bool {
     let tolerations = spec.tolerations.as_deref().unwrap_or_default();
-    node.spec
-        .as_ref()
-        .and_then(|s| s.taints.as_deref())
-        .unwrap_or_default()
+    node.taints()
         .iter()
         .filter(|t| matches!(t.effect.as_str(), "NoSchedule" | "NoExecute"))
         .all(|taint| tolerations.iter().any(|tol| tolerates(tol, taint)))
@@ -190,11 +192,16 @@ pub fn tolerates(tol: &Toleration, taint: &Taint) -> bool {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{
-        Affinity, Container, NodeAffinity, NodeSelector, NodeSpec, PodStatus, ResourceRequirements,
+        Affinity, Container, Node, NodeAffinity, NodeSelector, NodeSpec, PodStatus,
+        ResourceRequirements,
     };
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-    fn node(name: &str, labels: &[(&str, &str)], taints: &[(&str, Option<&str>, &str)]) -> Node {
+    fn node(
+        name: &str,
+        labels: &[(&str, &str)],
+        taints: &[(&str, Option<&str>, &str)],
+    ) -> CachedNode {
         let mut n = Node::default();
         n.metadata.name = Some(name.into());
         n.metadata.labels = Some(
@@ -217,7 +224,7 @@ mod tests {
             ),
             ..Default::default()
         });
-        n
+        n.into()
     }
 
     fn req(key: &str, op: &str, values: &[&str]) -> NodeSelectorRequirement {
@@ -302,7 +309,7 @@ mod tests {
         p
     }
 
-    fn pool_nodes() -> Vec<Arc<Node>> {
+    fn pool_nodes() -> Vec<Arc<CachedNode>> {
         vec![
             Arc::new(node(
                 "h100-a",

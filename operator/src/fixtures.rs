@@ -110,7 +110,7 @@ async fn verify(mut handle: ApiHandle, expected: Vec<Expect>) {
 struct Fixture {
     ctx: Arc<Context>,
     pools: Writer<DeserializeGuard<GpuPool>>,
-    nodes: Writer<Node>,
+    nodes: Writer<crate::cache::CachedNode>,
     gpunodes: Writer<GpuNode>,
     pods: Writer<crate::cache::CachedPod>,
     namespaces: Writer<PartialObjectMeta<Namespace>>,
@@ -174,7 +174,7 @@ impl Fixture {
 
     fn node(&mut self, n: &Node) {
         self.nodes
-            .apply_watcher_event(&watcher::Event::Apply(n.clone()));
+            .apply_watcher_event(&watcher::Event::Apply(n.clone().into()));
     }
 
     /// A GpuNode, delivered now (its agent counts as live).

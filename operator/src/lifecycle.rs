@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use gpupool_crds::labels::{OPERATOR_TAINTS, POOL_FINALIZER, POOL_LABEL};
 use gpupool_crds::{GpuNode, GpuPool};
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Taint};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -249,7 +249,15 @@ async fn marked_nodes(nodes: &Api<Node>) -> Result<Vec<Node>, Error> {
 
 /// Whether `node` carries anything of gpupool's.
 pub fn is_marked(node: &Node) -> bool {
-    node.labels().keys().any(|k| k.starts_with(LABEL_PREFIX)) || !operator_taints(node).is_empty()
+    node.labels().keys().any(|k| k.starts_with(LABEL_PREFIX))
+        || !operator_taints(node_taints(node)).is_empty()
+}
+
+fn node_taints(node: &Node) -> &[Taint] {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_deref())
+        .unwrap_or_default()
 }
 
 /// The merge patch that takes gpupool's labels and taint off `node` (`None`: nothing to do).
@@ -264,8 +272,8 @@ pub fn cleaning_patch(node: &Node) -> Option<serde_json::Value> {
         .map(|k| (k.clone(), serde_json::Value::Null))
         .collect();
     let mut patch = json!({"metadata": {"labels": labels}});
-    let taints = node.spec.as_ref().and_then(|s| s.taints.as_ref());
-    if let Some(taints) = taints.filter(|_| !operator_taints(node).is_empty()) {
+    let taints = node_taints(node);
+    if !operator_taints(taints).is_empty() {
         let kept: Vec<_> = taints
             .iter()
             .filter(|t| !OPERATOR_TAINTS.contains(&t.key.as_str()))

@@ -4,22 +4,26 @@
 use std::sync::Arc;
 
 use gpupool_crds::GpuPool;
-use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
 
+use crate::cache::CachedNode;
 use crate::pool::{self, ConflictingNode};
 
 /// What [`plan_membership`] found: owned nodes and conflicts.
 pub struct Membership {
     /// Nodes this pool owns, sorted by name.
-    pub members: Vec<Arc<Node>>,
+    pub members: Vec<Arc<CachedNode>>,
     /// Nodes matched here that other pools match too, held here or there.
     pub conflicts: Vec<ConflictingNode>,
 }
 
 /// Splits the nodes the pool matches into owned and conflicting (pure over the stores); see
 /// [`pool::owner_of`] for who holds a node two pools match.
-pub fn plan_membership(pool: &GpuPool, pools: &[Arc<GpuPool>], nodes: &[Arc<Node>]) -> Membership {
+pub fn plan_membership(
+    pool: &GpuPool,
+    pools: &[Arc<GpuPool>],
+    nodes: &[Arc<CachedNode>],
+) -> Membership {
     let mut members = Vec::new();
     let mut conflicts = Vec::new();
     let uid = pool.uid();
@@ -66,16 +70,17 @@ mod tests {
     use super::*;
     use crate::pool::tests::{labels, pool};
     use gpupool_crds::labels::POOL_LABEL;
+    use k8s_openapi::api::core::v1::Node;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
 
-    fn node(name: &str, kv: &[(&str, &str)]) -> Arc<Node> {
+    fn node(name: &str, kv: &[(&str, &str)]) -> Arc<CachedNode> {
         let mut n = Node::default();
         n.metadata.name = Some(name.into());
         n.metadata.labels = Some(labels(kv));
-        Arc::new(n)
+        Arc::new(n.into())
     }
 
-    fn names(nodes: &[Arc<Node>]) -> Vec<String> {
+    fn names(nodes: &[Arc<CachedNode>]) -> Vec<String> {
         nodes.iter().map(|n| n.name_any()).collect()
     }
 

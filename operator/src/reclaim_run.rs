@@ -9,7 +9,7 @@ use gpupool_crds::policy::ReclaimMode;
 use gpupool_crds::pool::ReclaimStatus;
 use gpupool_crds::{GpuNode, GpuPool};
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType};
@@ -18,7 +18,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
-use crate::cache::CachedPod;
+use crate::cache::{CachedNode, CachedPod};
 use crate::context::{Context, FIELD_MANAGER, capped_backoff};
 use crate::demand::demand_pending;
 use crate::error::{Error, Failures, Result, api_code};
@@ -28,11 +28,8 @@ use crate::reclaim::{
 };
 
 /// Whether a node reports Ready (the agent's data on it can be current).
-fn node_ready(node: Option<&Arc<Node>>) -> bool {
-    node.and_then(|n| n.status.as_ref())
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
-        .is_some_and(|c| c.status == "True")
+fn node_ready(node: Option<&Arc<CachedNode>>) -> bool {
+    node.is_some_and(|n| n.is_ready())
 }
 
 fn rfc3339(t: Timestamp) -> String {
@@ -189,7 +186,7 @@ fn pod_key(pod: &impl ResourceExt) -> String {
 /// taken stay in the history.
 pub async fn run(
     pool: &GpuPool,
-    nodes: &[Arc<Node>],
+    nodes: &[Arc<CachedNode>],
     gpunodes: &[&GpuNode],
     mut status: ReclaimStatus,
     ctx: &Context,
@@ -198,7 +195,8 @@ pub async fn run(
 ) -> ReclaimStatus {
     let policy = &pool.spec.reclaim;
     let pool_name = pool.name_any();
-    let by_name: BTreeMap<String, &Arc<Node>> = nodes.iter().map(|n| (n.name_any(), n)).collect();
+    let by_name: BTreeMap<String, &Arc<CachedNode>> =
+        nodes.iter().map(|n| (n.name_any(), n)).collect();
     let all_pods = ctx.pods.state();
     let job_pods = JobPods::gather(&all_pods);
     // Only pods waiting for a node can be pending demand: only those are unfolded.
