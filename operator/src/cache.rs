@@ -40,7 +40,14 @@ use kube::api::ObjectMeta;
 use kube::runtime::watcher;
 use serde::Deserialize;
 
-use crate::demand::is_gpu_resource;
+/// Whether a resource name is a GPU resource gpupool serves: whole GPUs, MIG devices, and
+/// their shared replicas under `renameByDefault` (`nvidia.com/gpu.shared`,
+/// `nvidia.com/mig-1g.10gb.shared`).
+pub fn is_gpu_resource(name: &str) -> bool {
+    name == "nvidia.com/gpu"
+        || name == "nvidia.com/gpu.shared"
+        || name.starts_with("nvidia.com/mig-")
+}
 
 /// Annotations on pods the operator reads (reclaim opt-out, its own warnings, dry runs).
 const POD_ANNOTATION_PREFIX: &str = "gpupool.io/";

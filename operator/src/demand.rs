@@ -15,7 +15,7 @@ use k8s_openapi::api::core::v1::{
 };
 use kube::ResourceExt;
 
-use crate::cache::CachedNode;
+use crate::cache::{CachedNode, is_gpu_resource};
 
 /// Whether a pod asks for GPUs (`nvidia.com/gpu` or `nvidia.com/mig-*`).
 pub fn requests_gpu(pod: &Pod) -> bool {
@@ -34,15 +34,6 @@ fn asks_gpu(resources: &ResourceRequirements) -> bool {
         .chain(resources.requests.iter())
         .flat_map(|m| m.keys())
         .any(|k| is_gpu_resource(k))
-}
-
-/// Whether a resource name is a GPU resource gpupool serves: whole GPUs, MIG devices, and
-/// their shared replicas under `renameByDefault` (`nvidia.com/gpu.shared`,
-/// `nvidia.com/mig-1g.10gb.shared`).
-pub fn is_gpu_resource(name: &str) -> bool {
-    name == "nvidia.com/gpu"
-        || name == "nvidia.com/gpu.shared"
-        || name.starts_with("nvidia.com/mig-")
 }
 
 /// Whether some pod wants GPUs, waits to be scheduled, and could run on one of `nodes`.
