@@ -219,6 +219,9 @@ async fn histogram_quantile(name: &str, q: f64) -> BoxResult<Option<f64>> {
     Ok(None)
 }
 
+/// Bytes in a MiB, for printing byte counts read from the operator's metrics.
+const MIB: f64 = 1024.0 * 1024.0;
+
 fn vm_rss_kib(pid: u32) -> u64 {
     status_kib(pid, "VmRSS:")
 }
@@ -624,6 +627,8 @@ async fn main() -> BoxResult<()> {
     let reconciles = metric_sum("gpupool_reconciles_total").await?;
     let rss_mib = vm_hwm_kib(pid) as f64 / 1024.0;
     let steady_mib = vm_rss_kib(pid) as f64 / 1024.0;
+    let heap_in_use = metric_sum("gpupool_operator_heap_bytes{state=\"in_use\"}").await?;
+    let heap_free = metric_sum("gpupool_operator_heap_bytes{state=\"free\"}").await?;
     let p50 = histogram_quantile("gpupool_reconcile_duration_seconds", 0.5).await?;
     let p99 = histogram_quantile("gpupool_reconcile_duration_seconds", 0.99).await?;
 
@@ -668,6 +673,11 @@ async fn main() -> BoxResult<()> {
     );
     println!(
         "operator peak RSS (VmHWM): {rss_mib:.1} MiB, steady RSS (VmRSS at the end): {steady_mib:.1} MiB"
+    );
+    println!(
+        "operator heap at the end: {:.1} MiB in use, {:.1} MiB freed and still held by the allocator",
+        heap_in_use / MIB,
+        heap_free / MIB
     );
 
     beating.abort();

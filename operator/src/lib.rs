@@ -13,6 +13,7 @@ pub mod controller;
 pub mod demand;
 pub mod drain;
 pub mod error;
+pub mod heap;
 pub mod http;
 pub mod layout;
 pub mod lifecycle;

@@ -83,6 +83,11 @@ struct Args {
     /// API server's WatchList feature, on by default since Kubernetes 1.32).
     #[arg(long, env = "GPUPOOL_INITIAL_LIST", value_enum, default_value_t = InitialList::Paged)]
     initial_list: InitialList,
+    /// Seconds between heap trims, which hand the allocator's free pages back to the kernel so
+    /// the resident set follows the heap down after the initial lists and large reconciles
+    /// (`gpupool_operator_heap_bytes` shows what is in use and what is free); 0 never trims.
+    #[arg(long, env = "GPUPOOL_HEAP_TRIM_SECS", default_value_t = 30)]
+    heap_trim_secs: u64,
     /// Seconds to wait for the CRDs to be Established at start.
     #[arg(long, env = "GPUPOOL_CRD_TIMEOUT", default_value_t = 60)]
     crd_timeout: u64,
@@ -173,8 +178,17 @@ fn on_signal(token: CancellationToken) -> tokio::task::JoinHandle<()> {
     })
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
+    // Before the runtime starts its threads (see gpupool_operator::heap).
+    gpupool_operator::heap::limit_arenas();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(run())
+}
+
+async fn run() -> Result<()> {
     let args = Args::parse();
     // Heap profile of the whole run, written when main returns (after SIGTERM).
     #[cfg(feature = "dhat-heap")]
@@ -207,6 +221,11 @@ async fn main() -> Result<()> {
     metrics.register(&mut registry);
     let state = Arc::new(HttpState::new(registry));
     let server = tokio::spawn(http::serve(args.http_addr, state.clone(), shutdown.clone()));
+    let trimmer = (args.heap_trim_secs > 0).then(|| {
+        tokio::spawn(gpupool_operator::heap::trim_every(Duration::from_secs(
+            args.heap_trim_secs,
+        )))
+    });
 
     startup::wait_for_crds(client.clone(), Duration::from_secs(args.crd_timeout))
         .await
@@ -241,6 +260,9 @@ async fn main() -> Result<()> {
             .map_err(anyhow::Error::from)
     };
     shutdown.cancel();
+    if let Some(trimmer) = trimmer {
+        trimmer.abort();
+    }
     match server.await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => error!(error = %e, "the HTTP server failed"),

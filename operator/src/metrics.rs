@@ -155,6 +155,7 @@ impl Metrics {
         registry.register_collector(Box::new(crate::pool_metrics::PoolCollector(
             self.pools.clone(),
         )));
+        registry.register_collector(Box::new(crate::heap::HeapCollector));
     }
 
     /// Adds a sample's GPU time.

@@ -1,0 +1,193 @@
+//! The operator's heap as the C library's allocator holds it, and keeping the resident set close
+//! to what is in use.
+//!
+//! The heap rises while the operator decodes its initial lists and runs the first reconcile of a
+//! large pool, then falls back to what its caches hold. glibc's allocator keeps what is freed:
+//! each thread that allocates may get an arena of its own (up to eight per core of the machine,
+//! not of the pod's CPU limit), and free pages inside an arena stay resident until they are
+//! handed back. Without help the resident set stays at the busiest moment's peak. Hence:
+//!
+//! - [`limit_arenas`] caps the arenas before the runtime starts its threads;
+//! - [`trim`] hands whole free pages back to the kernel (the controller calls it once the caches
+//!   have their initial lists, and then on an interval, `--heap-trim-secs`);
+//! - [`HeapCollector`] exports what the allocator holds, in use and free, as
+//!   `gpupool_operator_heap_bytes`, so the resident set can be told apart from the heap.
+//!
+//! All three do nothing where the C library is not glibc.
+
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::gauge::ConstGauge;
+use tracing::{debug, warn};
+
+/// Arenas kept when `MALLOC_ARENA_MAX` does not say otherwise: one for the main thread and one
+/// the runtime's threads share. The operator waits on the network far more than it allocates,
+/// so more arenas buy no speed and each keeps its own free pages.
+pub const DEFAULT_ARENAS: i32 = 2;
+
+/// What the allocator holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeapStats {
+    /// Bytes in blocks handed out and not yet freed (including blocks mapped on their own).
+    pub in_use: u64,
+    /// Bytes freed but still held in the arenas: resident until trimmed or reused.
+    pub free: u64,
+}
+
+/// The allocator's figures now (glibc's `mallinfo2`, which walks every arena). `None` where the
+/// C library is not glibc.
+pub fn stats() -> Option<HeapStats> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 takes no arguments and returns a plain struct; glibc locks each
+        // arena while it reads it, so it is safe beside other threads.
+        let info = unsafe { libc::mallinfo2() };
+        Some(HeapStats {
+            in_use: (info.uordblks + info.hblkhd) as u64,
+            free: info.fordblks as u64,
+        })
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        None
+    }
+}
+
+/// Caps glibc's arenas at `MALLOC_ARENA_MAX` if set (glibc reads it itself), else at
+/// [`DEFAULT_ARENAS`]. Call first in `main`, before any thread exists: arenas once made are kept.
+pub fn limit_arenas() {
+    if std::env::var_os("MALLOC_ARENA_MAX").is_some() {
+        return;
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt sets an allocator parameter; it is called before other threads exist.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, DEFAULT_ARENAS);
+    }
+}
+
+/// Hands the arenas' whole free pages back to the kernel (glibc's `malloc_trim`, which also
+/// releases free pages in the middle of an arena, not only at its top). True if any were.
+pub fn trim() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: malloc_trim takes no pointers and locks each arena itself.
+        unsafe { libc::malloc_trim(0) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}
+
+/// Trims the heap every `interval` for as long as the process runs. The first trim comes one
+/// interval after the start, by when the initial lists (the largest transient) are decoded and
+/// cut; later ones catch what a large reconcile freed.
+pub async fn trim_every(interval: Duration) {
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let started = std::time::Instant::now();
+        match tokio::task::spawn_blocking(trim).await {
+            Ok(released) => debug!(released, took = ?started.elapsed(), "heap trimmed"),
+            Err(e) => warn!(error = %e, "the heap trim task failed"),
+        }
+    }
+}
+
+/// Labels of the heap gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HeapLabels {
+    /// `in_use` or `free`.
+    state: &'static str,
+}
+
+/// Encodes `gpupool_operator_heap_bytes{state="in_use"|"free"}` at scrape time.
+#[derive(Debug, Default)]
+pub struct HeapCollector;
+
+impl Collector for HeapCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(heap) = stats() else {
+            return Ok(());
+        };
+        let mut family = encoder.encode_descriptor(
+            "gpupool_operator_heap_bytes",
+            "Bytes the operator's allocator holds: in use, and freed but not yet handed back to the kernel",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (state, bytes) in [("in_use", heap.in_use), ("free", heap.free)] {
+            let gauge = ConstGauge::new(i64::try_from(bytes).unwrap_or(i64::MAX));
+            gauge.encode(family.encode_family(&HeapLabels { state })?)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rss_kib() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap()
+    }
+
+    /// 64 MiB of small blocks, freed but for one allocated after them that pins the arena's
+    /// top: free alone cannot shrink the arena, so the pages stay resident, the allocator counts
+    /// them free, and the trim gives them back.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn freed_pages_are_counted_free_until_the_trim_returns_them() {
+        let before = stats().unwrap();
+        let mut blocks: Vec<Vec<u8>> = (0..64 * 1024).map(|_| vec![1u8; 1000]).collect();
+        let pin: Vec<u8> = vec![2u8; 1000];
+        let held = stats().unwrap();
+        assert!(
+            held.in_use >= before.in_use + 60 * 1024 * 1024,
+            "{before:?} → {held:?}"
+        );
+        drop(std::mem::take(&mut blocks));
+        let freed = stats().unwrap();
+        // Other tests allocate beside this one; ask for most of the 64 MiB, not all of it.
+        assert!(freed.free >= 48 * 1024 * 1024, "{freed:?}");
+        let rss_freed = rss_kib();
+        assert!(trim(), "malloc_trim released nothing");
+        let rss_trimmed = rss_kib();
+        assert_eq!(pin[0], 2);
+        assert!(
+            rss_freed.saturating_sub(rss_trimmed) > 16 * 1024,
+            "RSS after free {rss_freed} KiB, after trim {rss_trimmed} KiB"
+        );
+    }
+
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn the_collector_encodes_both_states() {
+        let mut registry = prometheus_client::registry::Registry::default();
+        registry.register_collector(Box::new(HeapCollector));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        for state in ["in_use", "free"] {
+            let line = text
+                .lines()
+                .find(|l| {
+                    l.starts_with(&format!("gpupool_operator_heap_bytes{{state=\"{state}\"}}"))
+                })
+                .unwrap_or_else(|| panic!("no {state} line in:\n{text}"));
+            let bytes: u64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+            if state == "in_use" {
+                assert!(bytes > 0, "{line}");
+            }
+        }
+    }
+}
