@@ -15,7 +15,7 @@ use k8s_openapi::api::core::v1::{Namespace, Node, Taint};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, DynamicObject, PartialObjectMeta, Patch, PatchParams};
 use kube::core::{ApiResource, DeserializeGuard};
-use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::runtime::reflector::{self, ObjectRef};
@@ -771,8 +771,9 @@ pub async fn run(
         Some(sel) => cfg.clone().labels(sel),
         None => cfg.clone(),
     };
-    let controller = Controller::new(pools_api, pool_cfg)
-        .with_config(ControllerConfig::default().debounce(Duration::from_millis(500)));
+    // No debounce: kube's restarts its wait on every trigger, which starves a pool whose nodes
+    // keep changing; the Node and GpuNode triggers are throttled instead (see below).
+    let controller = Controller::new(pools_api, pool_cfg);
     let pool_store = controller.store();
     let recorder = Recorder::new(
         client.clone(),
@@ -839,9 +840,19 @@ pub async fn run(
     ));
 
     let shutdown_signal = shutdown.clone();
+    // A pool's Node and GpuNode triggers, at most one a pool per interval and none held back
+    // for longer (crate::throttle). Watch errors are logged where they arise and retried by
+    // the watchers' backoff.
+    let node_triggers = node_stream
+        .filter_map(|n| future::ready(n.ok()))
+        .flat_map(move |n| stream::iter(node_to_pools(n)));
+    let gn_triggers = gn_stream.filter_map(move |gn| future::ready(gn.ok().and_then(&gn_to_pool)));
+    let triggers = crate::throttle::throttle(
+        stream::select(node_triggers, gn_triggers),
+        crate::throttle::POOL_TRIGGER_INTERVAL,
+    );
     controller
-        .watches_stream(node_stream, node_to_pools)
-        .watches_stream(gn_stream, gn_to_pool)
+        .reconcile_on(triggers)
         .graceful_shutdown_on(async move { shutdown_signal.cancelled().await })
         .run(reconcile, error_policy, ctx)
         .for_each(|res| {
