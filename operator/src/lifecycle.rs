@@ -69,6 +69,15 @@ pub async fn uninstall(client: Client, opts: &UninstallOptions) -> Result<Uninst
             .await
             .map_err(Error::kube("list", "gpupools", "listing GpuPools"))?;
     let names: Vec<String> = listed.items.iter().map(ResourceExt::name_any).collect();
+    // The nodes these pools hold, read before the pools are deleted: a running operator takes
+    // its label off them within moments of the delete, and a node read after that would not
+    // count as this release's, its agent labels left behind. With a pool selector (operators
+    // sharded by it) only these are this release's; without one every node marked by gpupool is.
+    let concerned = if opts.pool_selector.is_some() {
+        Some(pool_nodes(&client, &names).await?)
+    } else {
+        None
+    };
     for name in &names {
         match pools.delete(name, &DeleteParams::default()).await {
             Ok(_) => report.pools_deleted.push(name.clone()),
@@ -83,13 +92,6 @@ pub async fn uninstall(client: Client, opts: &UninstallOptions) -> Result<Uninst
         }
     }
     info!(pools = ?report.pools_deleted, "GpuPools deleted; waiting for the operator to clean up");
-    // The nodes these pools hold. With a pool selector (operators sharded by it) only these
-    // are this release's; without one every node marked by gpupool is.
-    let concerned = if opts.pool_selector.is_some() {
-        Some(pool_nodes(&client, &names).await?)
-    } else {
-        None
-    };
 
     let deadline = tokio::time::Instant::now() + opts.timeout;
     let left = loop {
