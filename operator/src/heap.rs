@@ -7,9 +7,8 @@
 //! not of the pod's CPU limit), and free pages inside an arena stay resident until they are
 //! handed back. Without help the resident set stays at the busiest moment's peak. Hence:
 //!
-//! - [`limit_arenas`] caps the arenas before the runtime starts its threads;
-//! - [`trim`] hands whole free pages back to the kernel (the controller calls it once the caches
-//!   have their initial lists, and then on an interval, `--heap-trim-secs`);
+//! - [`trim`] hands whole free pages back to the kernel, on an interval when `--heap-trim-secs`
+//!   is set (off by default);
 //! - [`HeapCollector`] exports what the allocator holds, in use and free, as
 //!   `gpupool_operator_heap_bytes`, so the resident set can be told apart from the heap.
 //!
@@ -22,11 +21,6 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetri
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::gauge::ConstGauge;
 use tracing::{debug, warn};
-
-/// Arenas kept when `MALLOC_ARENA_MAX` does not say otherwise: one for the main thread and one
-/// the runtime's threads share. The operator waits on the network far more than it allocates,
-/// so more arenas buy no speed and each keeps its own free pages.
-pub const DEFAULT_ARENAS: i32 = 2;
 
 /// What the allocator holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,19 +47,6 @@ pub fn stats() -> Option<HeapStats> {
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
     {
         None
-    }
-}
-
-/// Caps glibc's arenas at `MALLOC_ARENA_MAX` if set (glibc reads it itself), else at
-/// [`DEFAULT_ARENAS`]. Call first in `main`, before any thread exists: arenas once made are kept.
-pub fn limit_arenas() {
-    if std::env::var_os("MALLOC_ARENA_MAX").is_some() {
-        return;
-    }
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt sets an allocator parameter; it is called before other threads exist.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, DEFAULT_ARENAS);
     }
 }
 
