@@ -5,14 +5,14 @@
 //! large pool, then falls back to what its caches hold. glibc's allocator keeps what is freed:
 //! each thread that allocates may get an arena of its own (up to eight per core of the machine,
 //! not of the pod's CPU limit), and free pages inside an arena stay resident until they are
-//! handed back. Without help the resident set stays at the busiest moment's peak. Hence:
+//! handed back. Without help the resident set stays at the busiest moment's peak.
 //!
 //! - [`trim`] hands whole free pages back to the kernel, on an interval when `--heap-trim-secs`
 //!   is set (off by default);
 //! - [`HeapCollector`] exports what the allocator holds, in use and free, as
 //!   `gpupool_operator_heap_bytes`, so the resident set can be told apart from the heap.
 //!
-//! All three do nothing where the C library is not glibc.
+//! Both do nothing where the C library is not glibc.
 
 use std::time::Duration;
 

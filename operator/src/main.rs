@@ -179,15 +179,8 @@ fn on_signal(token: CancellationToken) -> tokio::task::JoinHandle<()> {
     })
 }
 
-fn main() -> Result<()> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?
-        .block_on(run())
-}
-
-async fn run() -> Result<()> {
+#[tokio::main]
+async fn main() -> Result<()> {
     let args = Args::parse();
     // Heap profile of the whole run, written when main returns (after SIGTERM).
     #[cfg(feature = "dhat-heap")]

@@ -7,7 +7,7 @@
 //! trigger at once and folds later ones into a single trigger at the end of the interval: a
 //! busy pool is reconciled about once per interval, and a change waits at most one interval.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::Hash;
 use std::pin::Pin;
 use std::time::Duration;
@@ -23,9 +23,10 @@ struct State<S, K> {
     every: Duration,
     /// When each key last went out (forgotten once an interval has passed).
     sent: HashMap<K, Instant>,
-    /// Keys held back, by when they go out, and the same keys for lookup.
+    /// Keys held back, by when they go out (a sequence number keeps equal times apart), and the
+    /// same keys for lookup.
     due: BTreeMap<(Instant, u64), K>,
-    held: HashMap<K, (Instant, u64)>,
+    held: HashSet<K>,
     seq: u64,
     ended: bool,
 }
@@ -44,7 +45,7 @@ where
         every,
         sent: HashMap::new(),
         due: BTreeMap::new(),
-        held: HashMap::new(),
+        held: HashSet::new(),
         seq: 0,
         ended: false,
     };
@@ -68,7 +69,7 @@ where
                         st.ended = true;
                         continue;
                     };
-                    if st.held.contains_key(&key) {
+                    if st.held.contains(&key) {
                         continue;
                     }
                     let now = Instant::now();
@@ -78,7 +79,7 @@ where
                         Some(at) => {
                             let slot = (*at + every, st.seq);
                             st.seq += 1;
-                            st.held.insert(key.clone(), slot);
+                            st.held.insert(key.clone());
                             st.due.insert(slot, key);
                         }
                         None => {
@@ -106,34 +107,37 @@ mod tests {
 
     const EVERY: Duration = Duration::from_secs(1);
 
-    /// The throttled stream's output, with when each key came out, relative to the start.
-    fn collect(
-        rx: mpsc::UnboundedReceiver<&'static str>,
-    ) -> tokio::task::JoinHandle<Vec<(&'static str, Duration)>> {
+    /// Sends each key `after` the send before it, ends the triggers after the last, and returns
+    /// what the throttle let out, each with when, from the start.
+    async fn throttled(
+        sends: impl IntoIterator<Item = (Duration, &'static str)>,
+    ) -> Vec<(&'static str, Duration)> {
+        let (tx, rx) = mpsc::unbounded();
         let start = Instant::now();
-        tokio::spawn(async move {
+        let out = tokio::spawn(async move {
             throttle(rx, EVERY)
                 .map(|k| (k, start.elapsed()))
-                .collect()
+                .collect::<Vec<_>>()
                 .await
-        })
+        });
+        for (after, key) in sends {
+            tokio::time::sleep(after).await;
+            tx.unbounded_send(key).unwrap();
+        }
+        drop(tx);
+        out.await.unwrap()
     }
+
+    const MS_100: Duration = Duration::from_millis(100);
 
     #[tokio::test(start_paused = true)]
     async fn a_first_trigger_goes_out_at_once_and_a_burst_folds_into_one_at_the_interval() {
-        let (tx, rx) = mpsc::unbounded();
-        let out = collect(rx);
-        tx.unbounded_send("pool-a").unwrap();
-        for _ in 0..5 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            tx.unbounded_send("pool-a").unwrap();
-        }
+        let mut sends = vec![(Duration::ZERO, "pool-a")];
+        sends.extend([(MS_100, "pool-a"); 5]);
         // Another key is not held back by the first.
-        tx.unbounded_send("pool-b").unwrap();
-        drop(tx);
-        let out = out.await.unwrap();
+        sends.push((Duration::ZERO, "pool-b"));
         assert_eq!(
-            out,
+            throttled(sends).await,
             vec![
                 ("pool-a", Duration::ZERO),
                 ("pool-b", Duration::from_millis(500)),
@@ -146,14 +150,9 @@ mod tests {
     /// throttled, the key goes out once a second for as long as the triggers last.
     #[tokio::test(start_paused = true)]
     async fn a_steady_stream_of_triggers_never_starves_a_key() {
-        let (tx, rx) = mpsc::unbounded();
-        let out = collect(rx);
-        for _ in 0..50 {
-            tx.unbounded_send("pool-a").unwrap();
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        drop(tx);
-        let times: Vec<Duration> = out.await.unwrap().into_iter().map(|(_, t)| t).collect();
+        let mut sends = vec![(Duration::ZERO, "pool-a")];
+        sends.extend([(MS_100, "pool-a"); 49]);
+        let times: Vec<Duration> = throttled(sends).await.into_iter().map(|(_, t)| t).collect();
         assert_eq!(
             times,
             (0..=5).map(Duration::from_secs).collect::<Vec<_>>(),
@@ -163,15 +162,12 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_quiet_key_goes_out_at_once_again() {
-        let (tx, rx) = mpsc::unbounded();
-        let out = collect(rx);
-        tx.unbounded_send("pool-a").unwrap();
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        tx.unbounded_send("pool-a").unwrap();
-        drop(tx);
-        let out = out.await.unwrap();
+        let sends = [
+            (Duration::ZERO, "pool-a"),
+            (Duration::from_secs(3), "pool-a"),
+        ];
         assert_eq!(
-            out,
+            throttled(sends).await,
             vec![
                 ("pool-a", Duration::ZERO),
                 ("pool-a", Duration::from_secs(3))
