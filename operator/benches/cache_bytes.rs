@@ -3,7 +3,7 @@
 //! The scale bench's shapes (`shapes`: a kwok node of 8 H100s, its GpuNode as the operator
 //! writes it and its agent reports it, the node's pods) are serialized as the API server sends
 //! them, then decoded, filtered and cut exactly as the operator's watches do (`CachedPod`
-//! with `keep_pod`, `CachedNode`, `trim_gpunode`) and put into kube reflector stores as an
+//! with `keep_pod`, `CachedNode`, `trim_gpunode`) and put into the operator's stores as an
 //! initial list puts them. A counting allocator measures the bytes that stay: the heap the
 //! caches cost, without the allocator's slack or the transient peaks (decoding, reconciles)
 //! that the scale bench's resident-set figures also hold.
@@ -21,11 +21,11 @@ use gpupool_crds::testing::mig_node_status;
 use gpupool_crds::{GpuNode, GpuPool};
 use gpupool_operator::cache::{CachedNode, CachedPod, SharedLayouts, keep_pod};
 use gpupool_operator::pool::desired_gpunode;
+use gpupool_operator::store::Writer;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use kube::runtime::reflector::store::Writer;
 use kube::runtime::watcher::Event;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -38,23 +38,28 @@ mod shapes;
 struct Counting;
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
+/// Live allocations: each costs glibc a header and rounding on top of its bytes.
+static BLOCKS: AtomicUsize = AtomicUsize::new(0);
 
 // SAFETY: every call is forwarded to the system allocator unchanged; the counter only adds.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+        BLOCKS.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the caller's contract is forwarded as is.
         unsafe { System.alloc(layout) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        BLOCKS.fetch_sub(1, Ordering::Relaxed);
         // SAFETY: as above.
         unsafe { System.dealloc(ptr, layout) }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+        BLOCKS.fetch_add(1, Ordering::Relaxed);
         // SAFETY: as above.
         unsafe { System.alloc_zeroed(layout) }
     }
@@ -72,6 +77,16 @@ static ALLOC: Counting = Counting;
 
 fn live() -> usize {
     LIVE.load(Ordering::Relaxed)
+}
+
+fn blocks() -> usize {
+    BLOCKS.load(Ordering::Relaxed)
+}
+
+/// What glibc's allocator has handed out, headers and rounding included: what the process
+/// pays for the bytes [`live`] counts.
+fn in_use() -> usize {
+    gpupool_operator::heap::stats().map_or(0, |s| s.in_use as usize)
 }
 
 fn env_num(name: &str, default: u64) -> u64 {
@@ -136,7 +151,7 @@ where
     K: kube::runtime::reflector::Lookup + Clone + DeserializeOwned + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone,
 {
-    let before = live();
+    let (before, blocks_before, in_use_before) = (live(), blocks(), in_use());
     let mut writer = Writer::<K>::default();
     writer.apply_watcher_event(&Event::Init);
     let mut first = None;
@@ -156,6 +171,8 @@ where
     let (wire, decoded) = first.unwrap_or_default();
     Ok(Held {
         bytes: live() - before,
+        blocks: blocks() - blocks_before,
+        in_use: in_use().saturating_sub(in_use_before),
         writer,
         count,
         wire,
@@ -169,8 +186,12 @@ where
     K::DynamicType: Eq + std::hash::Hash + Clone,
 {
     writer: Writer<K>,
-    /// Heap the store holds.
+    /// Heap the store holds, as asked of the allocator.
     bytes: usize,
+    /// Allocations the store holds.
+    blocks: usize,
+    /// Heap the store holds as glibc counts it (headers, rounding); 0 elsewhere.
+    in_use: usize,
     /// Objects stored.
     count: usize,
     /// The first object's JSON, and the heap it took decoded, before the cut: what a page of a
@@ -202,12 +223,16 @@ fn bytes_of<T: Clone>(value: &T) -> usize {
     bytes
 }
 
-fn row(kind: &str, count: usize, bytes: usize, nodes: u64) {
+fn row(kind: &str, count: usize, bytes: usize, blocks: usize, in_use: usize, nodes: u64) {
+    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
     println!(
-        "| {kind} | {count} | {:.1} MiB | {} B | {:.1} MiB |",
-        bytes as f64 / (1024.0 * 1024.0),
+        "| {kind} | {count} | {:.1} MiB | {} B | {:.1} | {:.1} MiB | {} B | {:.1} MiB |",
+        mib(bytes),
         bytes / count.max(1),
-        bytes as f64 / (1024.0 * 1024.0) * 1000.0 / nodes as f64,
+        blocks as f64 / count.max(1) as f64,
+        mib(in_use),
+        in_use / count.max(1),
+        mib(in_use) * 1000.0 / nodes as f64,
     );
 }
 
@@ -219,7 +244,7 @@ fn main() -> BoxResult<()> {
         p["metadata"]["uid"] = json!("7d3f1c2e-0a9b-4c8d-b6e5-000000000001");
         p
     })?;
-    let baseline = live();
+    let (baseline, blocks_baseline, in_use_baseline) = (live(), blocks(), in_use());
 
     let nodes = held::<CachedNode, _>(
         (0..n).map(node),
@@ -274,18 +299,41 @@ fn main() -> BoxResult<()> {
         n * per_node,
         pods.count
     );
-    println!("| cache | objects | held | per object | per 1,000 nodes |");
-    println!("|---|---|---|---|---|");
-    row("Node (CachedNode)", nodes.count, nodes.bytes, n);
-    row("GpuNode (trim_gpunode)", gpunodes.count, gpunodes.bytes, n);
-    row("GPU pods (CachedPod)", pods.count, pods.bytes, n);
-    let total = live() - baseline;
-    row(
-        "all three",
-        nodes.count + gpunodes.count + pods.count,
-        total,
-        n,
+    println!(
+        "| cache | objects | held | per object | allocations per object | glibc in use | per \
+         object | per 1,000 nodes |"
     );
+    println!("|---|---|---|---|---|---|---|---|");
+    for (kind, h) in [
+        (
+            "Node (CachedNode)",
+            (nodes.count, nodes.bytes, nodes.blocks, nodes.in_use),
+        ),
+        (
+            "GpuNode (trim_gpunode)",
+            (
+                gpunodes.count,
+                gpunodes.bytes,
+                gpunodes.blocks,
+                gpunodes.in_use,
+            ),
+        ),
+        (
+            "GPU pods (CachedPod)",
+            (pods.count, pods.bytes, pods.blocks, pods.in_use),
+        ),
+        (
+            "all three",
+            (
+                nodes.count + gpunodes.count + pods.count,
+                live() - baseline,
+                blocks() - blocks_baseline,
+                in_use().saturating_sub(in_use_baseline),
+            ),
+        ),
+    ] {
+        row(kind, h.0, h.1, h.2, h.3, n);
+    }
     let node_parts = {
         let one = first(&nodes.writer)?;
         [

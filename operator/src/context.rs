@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::FutureExt;
 use gpupool_crds::{GpuNode, GpuPool};
 use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
@@ -98,13 +97,13 @@ pub struct Context {
     /// GpuPools (as the controller sees them).
     pub pools: Store<DeserializeGuard<GpuPool>>,
     /// Nodes: labels, taints and readiness.
-    pub nodes: Store<CachedNode>,
+    pub nodes: crate::store::Store<CachedNode>,
     /// GpuNodes.
-    pub gpunodes: Store<GpuNode>,
+    pub gpunodes: crate::store::Store<GpuNode>,
     /// Pods, trimmed to what the reclaimer and drain need.
-    pub pods: Store<crate::cache::CachedPod>,
+    pub pods: crate::store::Store<crate::cache::CachedPod>,
     /// Namespaces' metadata.
-    pub namespaces: Store<PartialObjectMeta<Namespace>>,
+    pub namespaces: crate::store::Store<PartialObjectMeta<Namespace>>,
     /// Event recorder.
     pub recorder: Recorder,
     /// Metrics.
@@ -144,19 +143,13 @@ impl Context {
     /// one has, a reconcile would judge from a partial picture: a GpuNode store filled before
     /// the Node store makes every member look gone, and its GpuNode deleted as "left".
     pub fn unsynced_cache(&self) -> Option<&'static str> {
-        fn ready<K: kube::runtime::reflector::Lookup + Clone + 'static>(store: &Store<K>) -> bool
-        where
-            K::DynamicType: Eq + std::hash::Hash + Clone,
-        {
-            matches!(store.wait_until_ready().now_or_never(), Some(Ok(())))
-        }
-        if !ready(&self.nodes) {
+        if !self.nodes.is_ready() {
             Some("Nodes")
-        } else if !ready(&self.gpunodes) {
+        } else if !self.gpunodes.is_ready() {
             Some("GpuNodes")
-        } else if !ready(&self.pods) {
+        } else if !self.pods.is_ready() {
             Some("Pods")
-        } else if !ready(&self.namespaces) {
+        } else if !self.namespaces.is_ready() {
             Some("Namespaces")
         } else {
             None

@@ -15,12 +15,12 @@ use k8s_openapi::api::core::v1::{Namespace, Node, Taint};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, DynamicObject, PartialObjectMeta, Patch, PatchParams};
 use kube::core::{ApiResource, DeserializeGuard};
+use kube::runtime::WatchStreamExt;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::runtime::reflector::{self, ObjectRef};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher::{self, watcher};
-use kube::runtime::{WatchStreamExt, reflector::reflector};
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -32,7 +32,7 @@ use crate::error::{Error, Failures, Result};
 use crate::liveness::Liveness;
 use crate::metrics::{ErrorLabels, Metrics, ReconcileLabels};
 use crate::pool::{self, Member};
-use crate::{drain, membership, reclaim_run};
+use crate::{drain, membership, reclaim_run, store};
 
 const CONTROLLER: &str = "gpupool";
 /// Writes of one reconcile in flight at once.
@@ -723,46 +723,44 @@ pub async fn run(
     let pod_api: Api<CachedPod> = Api::all(client.clone());
     let ns_api: Api<PartialObjectMeta<Namespace>> = Api::all(client.clone());
 
-    let (gn_store, gn_writer) = reflector::store::<GpuNode>();
-    let (node_store, node_writer) = reflector::store::<CachedNode>();
-    let (pod_store, pod_writer) = reflector::store::<CachedPod>();
-    let (ns_store, ns_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
+    let (gn_store, mut gn_writer) = store::store::<GpuNode>();
+    let (node_store, mut node_writer) = store::store::<CachedNode>();
+    let (pod_store, mut pod_writer) = store::store::<CachedPod>();
+    let (ns_store, mut ns_writer) = store::store::<PartialObjectMeta<Namespace>>();
 
     let cfg = watcher_config(settings.initial_list, LIST_PAGE);
     let liveness = Arc::new(Liveness::default());
     let seen = liveness.clone();
     // Heartbeats are timed as the watch delivers them (see crate::liveness).
     let mut layouts = SharedLayouts::default();
-    let gn_stream = reflector(
-        gn_writer,
-        watcher(
-            gn_api,
-            watcher_config(settings.initial_list, GPUNODE_LIST_PAGE),
-        )
-        .modify(move |gn| layouts.trim(gn)),
+    let gn_stream = watcher(
+        gn_api,
+        watcher_config(settings.initial_list, GPUNODE_LIST_PAGE),
     )
+    .modify(move |gn| layouts.trim(gn))
+    .inspect_ok(move |ev| gn_writer.apply_watcher_event(ev))
     .default_backoff()
     .inspect_err(watch_failed("GpuNode"))
     .touched_objects()
     .inspect_ok(move |gn: &GpuNode| seen.observe_gpunode(gn, Timestamp::now()));
     let node_stream = relevant_node_changes(
-        reflector(node_writer, watcher(node_api, cfg.clone()))
+        watcher(node_api, cfg.clone())
+            .inspect_ok(move |ev| node_writer.apply_watcher_event(ev))
             .default_backoff()
             .inspect_err(watch_failed("Node")),
     );
-    let pod_stream = reflector(
-        pod_writer,
-        watcher(
-            pod_api,
-            cfg.clone()
-                .fields("status.phase!=Succeeded,status.phase!=Failed"),
-        )
-        .try_filter(|ev| future::ready(keep_pod(ev))),
+    let pod_stream = watcher(
+        pod_api,
+        cfg.clone()
+            .fields("status.phase!=Succeeded,status.phase!=Failed"),
     )
+    .try_filter(|ev| future::ready(keep_pod(ev)))
+    .inspect_ok(move |ev| pod_writer.apply_watcher_event(ev))
     .default_backoff()
     .inspect_err(watch_failed("Pod"))
     .touched_objects();
-    let ns_stream = reflector(ns_writer, watcher(ns_api, cfg.clone()))
+    let ns_stream = watcher(ns_api, cfg.clone())
+        .inspect_ok(move |ev| ns_writer.apply_watcher_event(ev))
         .default_backoff()
         .inspect_err(watch_failed("Namespace"))
         .touched_objects();
@@ -873,7 +871,7 @@ pub async fn run(
 /// [`crate::accounting`]). The first sample waits for the cache's initial list, so a start
 /// never counts from an empty picture.
 async fn count_gpu_time(
-    gpunodes: reflector::Store<GpuNode>,
+    gpunodes: store::Store<GpuNode>,
     metrics: Arc<Metrics>,
     interval: Duration,
 ) {

@@ -26,6 +26,7 @@ use crate::liveness::AgentLiveness;
 use crate::metrics::Metrics;
 use crate::pool::tests::{labels, pool, ready_gpunode};
 use crate::pool::{self, API_ERRORS, Member, StatusInput};
+use crate::store;
 
 type ApiHandle = Handle<Request<Body>, Response<Body>>;
 
@@ -110,10 +111,10 @@ async fn verify(mut handle: ApiHandle, expected: Vec<Expect>) {
 struct Fixture {
     ctx: Arc<Context>,
     pools: Writer<DeserializeGuard<GpuPool>>,
-    nodes: Writer<crate::cache::CachedNode>,
-    gpunodes: Writer<GpuNode>,
-    pods: Writer<crate::cache::CachedPod>,
-    namespaces: Writer<PartialObjectMeta<Namespace>>,
+    nodes: store::Writer<crate::cache::CachedNode>,
+    gpunodes: store::Writer<GpuNode>,
+    pods: store::Writer<crate::cache::CachedPod>,
+    namespaces: store::Writer<PartialObjectMeta<Namespace>>,
 }
 
 impl Fixture {
@@ -131,10 +132,10 @@ impl Fixture {
     /// No cache has had its first list yet.
     fn unsynced(client: Client) -> Self {
         let (pool_store, pools) = reflector::store();
-        let (node_store, nodes) = reflector::store();
-        let (gn_store, gpunodes) = reflector::store();
-        let (pod_store, pods) = reflector::store();
-        let (ns_store, namespaces) = reflector::store();
+        let (node_store, nodes) = store::store();
+        let (gn_store, gpunodes) = store::store();
+        let (pod_store, pods) = store::store();
+        let (ns_store, namespaces) = store::store();
         let ctx = Arc::new(Context {
             client: client.clone(),
             evict_client: client.clone(),
@@ -421,7 +422,7 @@ fn idle_job_fixture(client: Client) -> (Fixture, GpuPool) {
     use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus, Pod, PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-    let (pod_store, mut pods) = reflector::store::<crate::cache::CachedPod>();
+    let (pod_store, mut pods) = store::store::<crate::cache::CachedPod>();
     // Its first (empty) list is in; the pod arrives after.
     pods.apply_watcher_event(&watcher::Event::InitDone);
     let mut f = Fixture::new(client);

@@ -25,6 +25,7 @@ pub mod pool_metrics;
 pub mod reclaim;
 pub mod reclaim_run;
 pub mod startup;
+pub mod store;
 pub mod throttle;
 
 pub use error::{Error, Result};

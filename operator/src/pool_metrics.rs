@@ -27,7 +27,7 @@ pub struct Caches {
     /// GpuPools.
     pub pools: Store<DeserializeGuard<GpuPool>>,
     /// GpuNodes.
-    pub gpunodes: Store<GpuNode>,
+    pub gpunodes: crate::store::Store<GpuNode>,
 }
 
 /// What the pool collector reads.
@@ -327,7 +327,7 @@ mod tests {
     #[test]
     fn pool_status_becomes_gauges_only_while_leading() {
         let (pools, mut pool_writer) = reflector::store::<DeserializeGuard<GpuPool>>();
-        let (gpunodes, mut gn_writer) = reflector::store::<GpuNode>();
+        let (gpunodes, mut gn_writer) = crate::store::store::<GpuNode>();
         let mut pool: GpuPool =
             serde_json::from_value(serde_json::json!({"apiVersion": "gpupool.io/v1alpha1",
                 "kind": "GpuPool", "metadata": {"name": "training"},
