@@ -35,7 +35,7 @@ use k8s_openapi::api::core::v1::{
     Affinity, Container, Node, Pod, PodSpec, PodStatus, ResourceRequirements, Taint, Toleration,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
 use kube::api::ObjectMeta;
 use kube::runtime::watcher;
 use serde::Deserialize;
@@ -132,19 +132,68 @@ fn gpu_resources_only(r: ResourceRequirements) -> ResourceRequirements {
 }
 
 /// What the operator keeps of a pod: [`trim_pod`]'s cut, stored flat. The pod watch
-/// deserializes into it (a `Pod` first, folded at once), so a pod costs the cache its metadata
-/// and a few strings: the labels and the GPU requests are packed into one allocation each
-/// ([`PackedMap`]), and what only an unbound pod keeps sits behind one optional box.
+/// deserializes into it (a `Pod` first, folded at once, see [`WatchedPod`]), so a pod costs
+/// the cache a few strings: its metadata is a handful of fields, not an `ObjectMeta` (344
+/// bytes inline however little it holds), the labels, annotations and GPU requests are packed
+/// into one allocation each ([`PackedMap`]), and what only an unbound pod keeps sits behind one
+/// optional box.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(from = "Pod")]
 pub struct CachedPod {
-    /// The pod's metadata, trimmed; its labels are in `labels`.
-    pub metadata: ObjectMeta,
+    meta: PodMeta,
     labels: Option<PackedMap>,
     spec: Option<Box<CachedSpec>>,
     phase: Option<Box<str>>,
     start_time: Option<Time>,
     has_status: bool,
+}
+
+/// The metadata [`trim_pod`] keeps, its labels aside.
+#[derive(Clone, Debug, PartialEq)]
+struct PodMeta {
+    name: Option<Box<str>>,
+    namespace: Option<Box<str>>,
+    uid: Option<Box<str>>,
+    resource_version: Option<Box<str>>,
+    creation_timestamp: Option<Time>,
+    deletion_timestamp: Option<Time>,
+    /// The `gpupool.io/` annotations.
+    annotations: Option<PackedMap>,
+    owner_references: Option<Box<[OwnerReference]>>,
+}
+
+impl From<ObjectMeta> for PodMeta {
+    fn from(meta: ObjectMeta) -> Self {
+        PodMeta {
+            name: meta.name.map(String::into_boxed_str),
+            namespace: meta.namespace.map(String::into_boxed_str),
+            uid: meta.uid.map(String::into_boxed_str),
+            resource_version: meta.resource_version.map(String::into_boxed_str),
+            creation_timestamp: meta.creation_timestamp,
+            deletion_timestamp: meta.deletion_timestamp,
+            annotations: meta
+                .annotations
+                .map(|a| PackedMap::pack(a.iter().map(|(k, v)| (k.as_str(), v.as_str())))),
+            owner_references: meta.owner_references.map(Vec::into_boxed_slice),
+        }
+    }
+}
+
+impl PodMeta {
+    fn to_meta(&self) -> ObjectMeta {
+        let string = |s: &Option<Box<str>>| s.as_deref().map(str::to_string);
+        ObjectMeta {
+            name: string(&self.name),
+            namespace: string(&self.namespace),
+            uid: string(&self.uid),
+            resource_version: string(&self.resource_version),
+            creation_timestamp: self.creation_timestamp.clone(),
+            deletion_timestamp: self.deletion_timestamp.clone(),
+            annotations: self.annotations.as_ref().map(|a| a.to_map(|v| v)),
+            owner_references: self.owner_references.as_deref().map(<[_]>::to_vec),
+            ..ObjectMeta::default()
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -246,7 +295,7 @@ impl From<Pod> for CachedPod {
         let has_status = pod.status.is_some();
         let status = pod.status.unwrap_or_default();
         CachedPod {
-            metadata: pod.metadata,
+            meta: pod.metadata.into(),
             labels,
             spec,
             phase: status.phase.map(String::into_boxed_str),
@@ -260,7 +309,7 @@ impl CachedPod {
     /// The pod as [`trim_pod`] leaves it, for the decisions that read pods.
     pub fn to_pod(&self) -> Pod {
         let quantities = |m: &Option<PackedMap>| m.as_ref().map(|m| m.to_map(Quantity));
-        let mut metadata = self.metadata.clone();
+        let mut metadata = self.meta.to_meta();
         metadata.labels = self.labels.as_ref().map(|l| l.to_map(|v| v));
         Pod {
             metadata,
@@ -298,6 +347,39 @@ impl CachedPod {
         }
     }
 
+    /// The pod's name.
+    pub fn pod_name(&self) -> &str {
+        self.meta.name.as_deref().unwrap_or_default()
+    }
+
+    /// The pod's namespace.
+    pub fn pod_namespace(&self) -> &str {
+        self.meta.namespace.as_deref().unwrap_or_default()
+    }
+
+    /// `namespace/name`.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.pod_namespace(), self.pod_name())
+    }
+
+    /// Whether the pod is being deleted.
+    pub fn is_deleting(&self) -> bool {
+        self.meta.deletion_timestamp.is_some()
+    }
+
+    /// The pod's owners.
+    pub fn owner_references(&self) -> &[OwnerReference] {
+        self.meta.owner_references.as_deref().unwrap_or_default()
+    }
+
+    /// Whether the pod carries the (`gpupool.io/`) annotation `key`.
+    pub fn has_annotation(&self, key: &str) -> bool {
+        self.meta
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.iter().any(|(k, _)| k == key))
+    }
+
     /// The node the pod is bound to.
     pub fn node_name(&self) -> Option<&str> {
         self.spec.as_deref().and_then(|s| s.node_name.as_deref())
@@ -322,7 +404,73 @@ impl CachedPod {
     }
 }
 
-impl kube::Resource for CachedPod {
+/// The cache finds a pod by its namespace and name; a cached pod is no `Resource`, since it
+/// holds no `ObjectMeta`.
+impl kube::runtime::reflector::Lookup for CachedPod {
+    type DynamicType = ();
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        <Pod as k8s_openapi::Resource>::KIND.into()
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        <Pod as k8s_openapi::Resource>::GROUP.into()
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        <Pod as k8s_openapi::Resource>::VERSION.into()
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        <Pod as k8s_openapi::Resource>::URL_PATH_SEGMENT.into()
+    }
+    fn name(&self) -> Option<Cow<'_, str>> {
+        self.meta.name.as_deref().map(Cow::Borrowed)
+    }
+    fn namespace(&self) -> Option<Cow<'_, str>> {
+        self.meta.namespace.as_deref().map(Cow::Borrowed)
+    }
+    fn resource_version(&self) -> Option<Cow<'_, str>> {
+        self.meta.resource_version.as_deref().map(Cow::Borrowed)
+    }
+    fn uid(&self) -> Option<Cow<'_, str>> {
+        self.meta.uid.as_deref().map(Cow::Borrowed)
+    }
+}
+
+/// What the pod watch decodes: the [`CachedPod`], and beside it the name and resource version
+/// the watcher reads (to resume from, and to log), until the event reaches the cache
+/// ([`cached_pod_event`]).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(from = "Pod")]
+pub struct WatchedPod {
+    metadata: ObjectMeta,
+    pod: CachedPod,
+}
+
+impl From<Pod> for WatchedPod {
+    fn from(pod: Pod) -> Self {
+        let metadata = ObjectMeta {
+            name: pod.metadata.name.clone(),
+            resource_version: pod.metadata.resource_version.clone(),
+            ..ObjectMeta::default()
+        };
+        WatchedPod {
+            metadata,
+            pod: pod.into(),
+        }
+    }
+}
+
+/// A pod watch event as the cache takes it.
+pub fn cached_pod_event(event: watcher::Event<WatchedPod>) -> watcher::Event<CachedPod> {
+    match event {
+        watcher::Event::Apply(p) => watcher::Event::Apply(p.pod),
+        watcher::Event::InitApply(p) => watcher::Event::InitApply(p.pod),
+        watcher::Event::Delete(p) => watcher::Event::Delete(p.pod),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    }
+}
+
+impl kube::Resource for WatchedPod {
     type DynamicType = ();
     type Scope = k8s_openapi::NamespaceResourceScope;
 
@@ -649,6 +797,53 @@ mod tests {
             serde_json::from_value(serde_json::to_value(pod("cpu", Some("n1"))).unwrap()).unwrap();
         assert!(!cpu.requests_gpu());
         assert!(CachedPod::from(Pod::default()).to_pod() == Pod::default());
+    }
+
+    #[test]
+    fn the_pod_watch_reads_its_resume_point_and_the_cache_takes_the_flat_pod() {
+        use kube::runtime::reflector::Lookup;
+
+        let mut full = pod("nvidia.com/gpu", Some("n1"));
+        full.metadata.deletion_timestamp = Some(Time(Timestamp::from_second(3_000).unwrap()));
+        let watched: WatchedPod =
+            serde_json::from_value(serde_json::to_value(&full).unwrap()).unwrap();
+        assert_eq!(
+            kube::Resource::meta(&watched).resource_version.as_deref(),
+            Some("42")
+        );
+        assert_eq!(
+            kube::Resource::meta(&watched).name.as_deref(),
+            Some("trainer-0")
+        );
+        let watcher::Event::Apply(cached) = cached_pod_event(watcher::Event::Apply(watched)) else {
+            panic!("an Apply stays an Apply");
+        };
+        assert_eq!(cached.pod_name(), "trainer-0");
+        assert_eq!(cached.pod_namespace(), "ml");
+        assert_eq!(cached.key(), "ml/trainer-0");
+        assert!(cached.is_deleting());
+        assert_eq!(cached.owner_references()[0].name, "trainer");
+        assert!(cached.has_annotation("gpupool.io/idle-since"));
+        assert!(!cached.has_annotation("kubectl.kubernetes.io/last-applied-configuration"));
+        assert!(
+            !cached.has_annotation("gpupool.io/idle"),
+            "a whole key, not a prefix"
+        );
+        // The cache finds it by namespace and name.
+        assert_eq!(Lookup::name(&cached).as_deref(), Some("trainer-0"));
+        assert_eq!(Lookup::namespace(&cached).as_deref(), Some("ml"));
+        assert_eq!(Lookup::uid(&cached).as_deref(), Some("u-1"));
+        let mut trimmed = full;
+        trim_pod(&mut trimmed);
+        assert_eq!(cached.to_pod(), trimmed);
+        assert!(matches!(
+            cached_pod_event(watcher::Event::Init),
+            watcher::Event::Init
+        ));
+        assert!(matches!(
+            cached_pod_event(watcher::Event::InitDone),
+            watcher::Event::InitDone
+        ));
     }
 
     #[test]

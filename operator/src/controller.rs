@@ -26,7 +26,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::cache::{CachedNode, CachedPod, SharedLayouts, keep_pod};
+use crate::cache::{CachedNode, CachedPod, SharedLayouts, WatchedPod, cached_pod_event, keep_pod};
 use crate::context::{Context, FIELD_MANAGER, GPUNODE_LIST_PAGE, InitialList, LIST_PAGE, Settings};
 use crate::error::{Error, Failures, Result};
 use crate::liveness::Liveness;
@@ -720,7 +720,7 @@ pub async fn run(
     let pools_api: Api<DeserializeGuard<GpuPool>> = Api::all(client.clone());
     let gn_api: Api<GpuNode> = Api::all(client.clone());
     let node_api: Api<CachedNode> = Api::all(client.clone());
-    let pod_api: Api<CachedPod> = Api::all(client.clone());
+    let pod_api: Api<WatchedPod> = Api::all(client.clone());
     let ns_api: Api<PartialObjectMeta<Namespace>> = Api::all(client.clone());
 
     let (gn_store, mut gn_writer) = store::store::<GpuNode>();
@@ -754,11 +754,11 @@ pub async fn run(
         cfg.clone()
             .fields("status.phase!=Succeeded,status.phase!=Failed"),
     )
+    .map_ok(cached_pod_event)
     .try_filter(|ev| future::ready(keep_pod(ev)))
     .inspect_ok(move |ev| pod_writer.apply_watcher_event(ev))
     .default_backoff()
-    .inspect_err(watch_failed("Pod"))
-    .touched_objects();
+    .inspect_err(watch_failed("Pod"));
     let ns_stream = watcher(ns_api, cfg.clone())
         .inspect_ok(move |ev| ns_writer.apply_watcher_event(ev))
         .default_backoff()

@@ -10,6 +10,7 @@ use gpupool_crds::pool::ReclaimStatus;
 use gpupool_crds::{GpuNode, GpuPool};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType};
@@ -143,14 +144,12 @@ impl<'a> JobPods<'a> {
     /// Groups `all` by namespace and owning Job, leaving out pods on their way out.
     fn gather(all: &'a [Arc<CachedPod>]) -> Self {
         let mut by_job: HashMap<(&str, &str), Vec<&str>> = HashMap::new();
-        for p in all
-            .iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_none())
-        {
-            if let Some(uid) = job_uid(p.as_ref()) {
-                let ns = p.metadata.namespace.as_deref().unwrap_or_default();
-                let name = p.metadata.name.as_deref().unwrap_or_default();
-                by_job.entry((ns, uid)).or_default().push(name);
+        for p in all.iter().filter(|p| !p.is_deleting()) {
+            if let Some(uid) = job_uid(p.owner_references()) {
+                by_job
+                    .entry((p.pod_namespace(), uid))
+                    .or_default()
+                    .push(p.pod_name());
             }
         }
         Self(by_job)
@@ -158,7 +157,7 @@ impl<'a> JobPods<'a> {
 
     /// Other unfinished pods of `pod`'s Job.
     fn siblings(&self, pod: &Pod) -> usize {
-        let Some(uid) = job_uid(pod) else {
+        let Some(uid) = job_uid(pod.owner_references()) else {
             return 0;
         };
         let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
@@ -169,9 +168,9 @@ impl<'a> JobPods<'a> {
     }
 }
 
-/// The UID of the Job that owns `p`.
-fn job_uid(p: &impl ResourceExt) -> Option<&str> {
-    p.owner_references()
+/// The UID of the Job among a pod's `owners`.
+fn job_uid(owners: &[OwnerReference]) -> Option<&str> {
+    owners
         .iter()
         .find(|o| o.kind == "Job" && o.api_version.starts_with("batch/"))
         .map(|o| o.uid.as_str())
@@ -212,9 +211,9 @@ pub async fn run(
         .iter()
         .filter(|p| {
             p.node_name().is_some_and(|n| by_name.contains_key(n))
-                && p.annotations().contains_key(IDLE_SINCE_ANNOTATION)
+                && p.has_annotation(IDLE_SINCE_ANNOTATION)
         })
-        .map(|p| pod_key(p.as_ref()))
+        .map(|p| p.key())
         .collect();
 
     let mut holds: BTreeMap<reclaim::HoldReason, u32> = BTreeMap::new();
@@ -411,10 +410,10 @@ pub async fn unwarn_all(pool: &GpuPool, ctx: &Context) {
     for pod in ctx.pods.state() {
         let on_ours = pod.node_name().is_some_and(|n| nodes.contains(n));
         if on_ours
-            && pod.annotations().contains_key(IDLE_SINCE_ANNOTATION)
+            && pod.has_annotation(IDLE_SINCE_ANNOTATION)
             && let Err(e) = unwarn_pod(&pod.to_pod(), "its pool was deleted", ctx).await
         {
-            warn!(pod = %pod_key(pod.as_ref()), error = %e, "removing the idle warning failed");
+            warn!(pod = %pod.key(), error = %e, "removing the idle warning failed");
         }
     }
 }
