@@ -337,7 +337,8 @@ fn main() -> BoxResult<()> {
     let node_parts = {
         let one = first(&nodes.writer)?;
         [
-            ("metadata", bytes_of(&one.metadata)),
+            ("all of it", bytes_of(&*one)),
+            ("labels", bytes_of(one.labels())),
             ("taints", bytes_of(&one.taints().to_vec())),
         ]
     };

@@ -27,6 +27,7 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::marker::PhantomData;
 use std::sync::{Arc, Weak};
 
 use gpupool_crds::GpuNode;
@@ -435,56 +436,69 @@ impl kube::runtime::reflector::Lookup for CachedPod {
     }
 }
 
-/// What the pod watch decodes: the [`CachedPod`], and beside it the name and resource version
-/// the watcher reads (to resume from, and to log), until the event reaches the cache
-/// ([`cached_pod_event`]).
+/// What a watch of `K` decodes when its cache keeps `T`, a flat copy that is no `Resource`:
+/// the copy, and beside it the name and resource version the watcher reads (to resume from,
+/// and to log), until the event reaches the cache ([`cached_event`]).
 #[derive(Clone, Debug, Deserialize)]
-#[serde(from = "Pod")]
-pub struct WatchedPod {
+#[serde(
+    from = "K",
+    bound(
+        deserialize = "K: serde::de::DeserializeOwned + k8s_openapi::Metadata<Ty = ObjectMeta>, T: From<K>"
+    )
+)]
+pub struct Watched<K, T> {
     metadata: ObjectMeta,
-    pod: CachedPod,
+    cached: T,
+    kind: PhantomData<fn() -> K>,
 }
 
-impl From<Pod> for WatchedPod {
-    fn from(pod: Pod) -> Self {
+/// The pod watch's objects.
+pub type WatchedPod = Watched<Pod, CachedPod>;
+/// The Node watch's objects.
+pub type WatchedNode = Watched<Node, CachedNode>;
+
+impl<K: k8s_openapi::Metadata<Ty = ObjectMeta>, T: From<K>> From<K> for Watched<K, T> {
+    fn from(obj: K) -> Self {
+        let meta = obj.metadata();
         let metadata = ObjectMeta {
-            name: pod.metadata.name.clone(),
-            resource_version: pod.metadata.resource_version.clone(),
+            name: meta.name.clone(),
+            resource_version: meta.resource_version.clone(),
             ..ObjectMeta::default()
         };
-        WatchedPod {
+        Watched {
             metadata,
-            pod: pod.into(),
+            cached: obj.into(),
+            kind: PhantomData,
         }
     }
 }
 
-/// A pod watch event as the cache takes it.
-pub fn cached_pod_event(event: watcher::Event<WatchedPod>) -> watcher::Event<CachedPod> {
+/// A watch event as the cache takes it.
+pub fn cached_event<K, T>(event: watcher::Event<Watched<K, T>>) -> watcher::Event<T> {
     match event {
-        watcher::Event::Apply(p) => watcher::Event::Apply(p.pod),
-        watcher::Event::InitApply(p) => watcher::Event::InitApply(p.pod),
-        watcher::Event::Delete(p) => watcher::Event::Delete(p.pod),
+        watcher::Event::Apply(w) => watcher::Event::Apply(w.cached),
+        watcher::Event::InitApply(w) => watcher::Event::InitApply(w.cached),
+        watcher::Event::Delete(w) => watcher::Event::Delete(w.cached),
         watcher::Event::Init => watcher::Event::Init,
         watcher::Event::InitDone => watcher::Event::InitDone,
     }
 }
 
-impl kube::Resource for WatchedPod {
+impl<K: k8s_openapi::Resource, T> kube::Resource for Watched<K, T> {
     type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
+    type Scope = K::Scope;
 
     fn kind(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::KIND.into()
+        K::KIND.into()
     }
     fn group(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::GROUP.into()
+        K::GROUP.into()
     }
     fn version(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::VERSION.into()
+        K::VERSION.into()
     }
     fn plural(_: &()) -> Cow<'_, str> {
-        <Pod as k8s_openapi::Resource>::URL_PATH_SEGMENT.into()
+        K::URL_PATH_SEGMENT.into()
     }
     fn meta(&self) -> &ObjectMeta {
         &self.metadata
@@ -496,14 +510,15 @@ impl kube::Resource for WatchedPod {
 
 /// What the operator keeps of a Node: its name, resource version and labels, its taints, and
 /// the status of its Ready condition. The Node watch deserializes into it (a `Node` first,
-/// folded at once), so the cache holds none of a `Node`'s spec and status structs, which take
-/// about 1.2 KiB inline however little they carry.
+/// folded at once, see [`Watched`]), so the cache holds none of a `Node`'s metadata, spec and
+/// status structs, which take about 1.5 KiB inline however little they carry.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(from = "Node")]
 pub struct CachedNode {
-    /// The Node's name, resource version (the taint patch's guard) and labels; the rest of its
-    /// metadata is dropped.
-    pub metadata: ObjectMeta,
+    name: Box<str>,
+    /// The taint patch's guard.
+    resource_version: Option<Box<str>>,
+    labels: BTreeMap<String, String>,
     taints: Vec<Taint>,
     ready: Option<Readiness>,
 }
@@ -530,12 +545,9 @@ impl From<Node> for CachedNode {
                 _ => Readiness::Unknown,
             });
         CachedNode {
-            metadata: ObjectMeta {
-                name: meta.name,
-                resource_version: meta.resource_version,
-                labels: meta.labels,
-                ..ObjectMeta::default()
-            },
+            name: meta.name.unwrap_or_default().into_boxed_str(),
+            resource_version: meta.resource_version.map(String::into_boxed_str),
+            labels: meta.labels.unwrap_or_default(),
             taints: node.spec.and_then(|s| s.taints).unwrap_or_default(),
             ready,
         }
@@ -543,6 +555,26 @@ impl From<Node> for CachedNode {
 }
 
 impl CachedNode {
+    /// The Node's name.
+    pub fn name_any(&self) -> String {
+        self.name.to_string()
+    }
+
+    /// The Node's name, borrowed.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The Node's labels.
+    pub fn labels(&self) -> &BTreeMap<String, String> {
+        &self.labels
+    }
+
+    /// The resource version it was cached at.
+    pub fn resource_version(&self) -> Option<&str> {
+        self.resource_version.as_deref()
+    }
+
     /// The Node's taints.
     pub fn taints(&self) -> &[Taint] {
         &self.taints
@@ -563,9 +595,10 @@ impl CachedNode {
     }
 }
 
-impl kube::Resource for CachedNode {
+/// The cache finds a Node by its name; a cached Node is no `Resource`, since it holds no
+/// `ObjectMeta`.
+impl kube::runtime::reflector::Lookup for CachedNode {
     type DynamicType = ();
-    type Scope = k8s_openapi::ClusterResourceScope;
 
     fn kind(_: &()) -> Cow<'_, str> {
         <Node as k8s_openapi::Resource>::KIND.into()
@@ -579,11 +612,17 @@ impl kube::Resource for CachedNode {
     fn plural(_: &()) -> Cow<'_, str> {
         <Node as k8s_openapi::Resource>::URL_PATH_SEGMENT.into()
     }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
+    fn name(&self) -> Option<Cow<'_, str>> {
+        Some(Cow::Borrowed(&self.name))
     }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
+    fn namespace(&self) -> Option<Cow<'_, str>> {
+        None
+    }
+    fn resource_version(&self) -> Option<Cow<'_, str>> {
+        self.resource_version.as_deref().map(Cow::Borrowed)
+    }
+    fn uid(&self) -> Option<Cow<'_, str>> {
+        None
     }
 }
 
@@ -815,7 +854,7 @@ mod tests {
             kube::Resource::meta(&watched).name.as_deref(),
             Some("trainer-0")
         );
-        let watcher::Event::Apply(cached) = cached_pod_event(watcher::Event::Apply(watched)) else {
+        let watcher::Event::Apply(cached) = cached_event(watcher::Event::Apply(watched)) else {
             panic!("an Apply stays an Apply");
         };
         assert_eq!(cached.pod_name(), "trainer-0");
@@ -837,11 +876,11 @@ mod tests {
         trim_pod(&mut trimmed);
         assert_eq!(cached.to_pod(), trimmed);
         assert!(matches!(
-            cached_pod_event(watcher::Event::Init),
+            cached_event::<Pod, CachedPod>(watcher::Event::Init),
             watcher::Event::Init
         ));
         assert!(matches!(
-            cached_pod_event(watcher::Event::InitDone),
+            cached_event::<Pod, CachedPod>(watcher::Event::InitDone),
             watcher::Event::InitDone
         ));
     }
@@ -989,7 +1028,7 @@ mod tests {
         let cached: CachedNode = serde_json::from_slice(&wire).unwrap();
 
         assert_eq!(cached.name_any(), "gpu-1");
-        assert_eq!(cached.resource_version().as_deref(), Some("42"));
+        assert_eq!(cached.resource_version(), Some("42"));
         assert_eq!(cached.labels(), node.labels());
         // Taints are kept whole: a taint patch replaces the list and must not lose timeAdded.
         assert_eq!(
@@ -998,15 +1037,26 @@ mod tests {
         );
         assert_eq!(cached.ready_status(), Some("True"));
         assert!(cached.is_ready());
-        // Nothing else of the metadata is held.
+        // The watch decodes the same, with its resume point beside it.
+        let watched: WatchedNode = serde_json::from_slice(&wire).unwrap();
         assert_eq!(
-            cached.metadata,
-            ObjectMeta {
-                name: Some("gpu-1".into()),
-                resource_version: Some("42".into()),
-                labels: node.metadata.labels.clone(),
-                ..ObjectMeta::default()
-            }
+            kube::Resource::meta(&watched).resource_version.as_deref(),
+            Some("42")
+        );
+        let watcher::Event::Delete(from_watch) = cached_event(watcher::Event::Delete(watched))
+        else {
+            panic!("a Delete stays a Delete");
+        };
+        assert_eq!(from_watch.name(), "gpu-1");
+        assert_eq!(from_watch.labels(), cached.labels());
+        assert_eq!(from_watch.taints(), cached.taints());
+        assert_eq!(
+            kube::runtime::reflector::Lookup::name(&from_watch).as_deref(),
+            Some("gpu-1")
+        );
+        assert_eq!(
+            kube::runtime::reflector::Lookup::namespace(&from_watch),
+            None
         );
     }
 

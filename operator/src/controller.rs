@@ -26,7 +26,9 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::cache::{CachedNode, CachedPod, SharedLayouts, WatchedPod, cached_pod_event, keep_pod};
+use crate::cache::{
+    CachedNode, CachedPod, SharedLayouts, WatchedNode, WatchedPod, cached_event, keep_pod,
+};
 use crate::context::{Context, FIELD_MANAGER, GPUNODE_LIST_PAGE, InitialList, LIST_PAGE, Settings};
 use crate::error::{Error, Failures, Result};
 use crate::liveness::Liveness;
@@ -719,7 +721,7 @@ pub async fn run(
 ) -> Result<()> {
     let pools_api: Api<DeserializeGuard<GpuPool>> = Api::all(client.clone());
     let gn_api: Api<GpuNode> = Api::all(client.clone());
-    let node_api: Api<CachedNode> = Api::all(client.clone());
+    let node_api: Api<WatchedNode> = Api::all(client.clone());
     let pod_api: Api<WatchedPod> = Api::all(client.clone());
     let ns_api: Api<PartialObjectMeta<Namespace>> = Api::all(client.clone());
 
@@ -745,6 +747,7 @@ pub async fn run(
     .inspect_ok(move |gn: &GpuNode| seen.observe_gpunode(gn, Timestamp::now()));
     let node_stream = relevant_node_changes(
         watcher(node_api, cfg.clone())
+            .map_ok(cached_event)
             .inspect_ok(move |ev| node_writer.apply_watcher_event(ev))
             .default_backoff()
             .inspect_err(watch_failed("Node")),
@@ -754,7 +757,7 @@ pub async fn run(
         cfg.clone()
             .fields("status.phase!=Succeeded,status.phase!=Failed"),
     )
-    .map_ok(cached_pod_event)
+    .map_ok(cached_event)
     .try_filter(|ev| future::ready(keep_pod(ev)))
     .inspect_ok(move |ev| pod_writer.apply_watcher_event(ev))
     .default_backoff()

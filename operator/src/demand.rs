@@ -13,7 +13,6 @@ use k8s_openapi::api::core::v1::{
     NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec, ResourceRequirements, Taint,
     Toleration,
 };
-use kube::ResourceExt;
 
 use crate::cache::{CachedNode, is_gpu_resource};
 
