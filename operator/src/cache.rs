@@ -17,7 +17,11 @@
 //!   by UUID only when it is unhealthy), passed checks' messages, and the MIG devices no pod
 //!   holds, and the healthy GPUs nothing holds: the operator reads a GPU or MIG device only
 //!   for its holders (reclaim, drain, GPU-time accounting) or, unhealthy, to name it; GPU
-//!   counts come from the agent's totals. The spec is kept whole: it is
+//!   counts come from the agent's totals; the holders' container names, the CDI spec's path
+//!   and the CUDA version are not read either. Of the metadata, the UID, resource version and
+//!   owners' names go (owners are compared by UID), and the usual labels, the pool label
+//!   alone, are folded into an empty map ([`gpunode_pool`] reads it). The spec is kept whole:
+//!   it is
 //!   what the operator compares its desired state with. Its MIG layout, most of a spec's
 //!   bytes, is shared ([`SharedLayouts`]): nodes of one kind carry equal layouts, and the
 //!   cache keeps one copy of each.
@@ -31,6 +35,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Weak};
 
 use gpupool_crds::GpuNode;
+use gpupool_crds::labels::POOL_LABEL;
 use gpupool_crds::node::{Health, NodeMigSpec};
 use k8s_openapi::api::core::v1::{
     Affinity, Container, Node, Pod, PodSpec, PodStatus, ResourceRequirements, Taint, Toleration,
@@ -628,15 +633,36 @@ impl kube::runtime::reflector::Lookup for CachedNode {
 
 /// Drops from a GpuNode what only its node uses (see the module docs).
 pub fn trim_gpunode(gn: &mut GpuNode) {
-    gn.metadata.managed_fields = None;
+    let meta = &mut gn.metadata;
+    meta.managed_fields = None;
+    // The watch has read the resource version by now; the cache finds a GpuNode by name.
+    meta.uid = None;
+    meta.resource_version = None;
+    // A map of one entry still takes a 544-byte B-tree node: the usual labels, the pool label
+    // naming the spec's pool and nothing else, are folded into an empty map, which the API
+    // never sends (it omits empty labels) and which allocates nothing; see [`gpunode_pool`].
+    if let Some(labels) = meta.labels.as_mut()
+        && labels.len() == 1
+        && labels.get(POOL_LABEL) == Some(&gn.spec.pool)
+    {
+        labels.clear();
+    }
+    // Owners are compared by UID and controller flag only.
+    for owner in meta.owner_references.iter_mut().flatten() {
+        owner.api_version = String::new();
+        owner.kind = String::new();
+        owner.name = String::new();
+    }
     let Some(status) = gn.status.as_mut() else {
         return;
     };
+    status.cuda_version = None;
     for check in status.checks.iter_mut().filter(|c| c.passed) {
         check.message = String::new();
     }
     if let Some(cdi) = status.cdi.as_mut() {
         cdi.digest = String::new();
+        cdi.path = String::new();
     }
     for gpu in &mut status.gpus {
         gpu.pci_bus_id = String::new();
@@ -648,6 +674,15 @@ pub fn trim_gpunode(gn: &mut GpuNode) {
             m.uuid = String::new();
             m.cdi_name = String::new();
         }
+        let idleness = gpu
+            .mig_devices
+            .iter_mut()
+            .map(|m| &mut m.idleness)
+            .chain(gpu.shares.iter_mut())
+            .chain(std::iter::once(&mut gpu.idleness));
+        for holder in idleness.flat_map(|i| i.pods.iter_mut()) {
+            holder.container = None;
+        }
         gpu.mig_devices.shrink_to_fit();
     }
     // A healthy GPU that nothing holds, whole or in part, tells no decision anything.
@@ -658,6 +693,15 @@ pub fn trim_gpunode(gn: &mut GpuNode) {
             || g.shares.iter().any(|s| !s.pods.is_empty())
     });
     status.gpus.shrink_to_fit();
+}
+
+/// The pool a GpuNode's `gpupool.io/pool` label names, read from a cached GpuNode as
+/// [`trim_gpunode`] left it (or from any GpuNode).
+pub fn gpunode_pool(gn: &GpuNode) -> Option<&str> {
+    match gn.metadata.labels.as_ref()? {
+        labels if labels.is_empty() => Some(&gn.spec.pool),
+        labels => labels.get(POOL_LABEL).map(String::as_str),
+    }
 }
 
 /// The MIG layouts the GpuNode cache holds, one copy of each: thousands of nodes of a few
@@ -1120,7 +1164,7 @@ mod tests {
                 Health::Healthy => assert!(g.uuid.is_empty()),
                 Health::Unhealthy => assert_eq!(g.uuid, f.uuid),
             }
-            assert_eq!(g.idleness, f.idleness);
+            assert_eq!(holders(&g.idleness), holders(&f.idleness));
             // Only the held MIG devices stay, with their holders and idleness.
             let held: Vec<_> = f
                 .mig_devices
@@ -1130,12 +1174,98 @@ mod tests {
             assert_eq!(g.mig_devices.len(), held.len());
             for (m, n) in g.mig_devices.iter().zip(held) {
                 assert_eq!((&m.profile, m.health), (&n.profile, n.health));
-                assert_eq!(m.idleness, n.idleness);
+                assert_eq!(holders(&m.idleness), holders(&n.idleness));
                 assert!(m.uuid.is_empty() && m.cdi_name.is_empty());
+                assert!(
+                    m.idleness.pods.iter().all(|p| p.container.is_none()),
+                    "no decision reads the holder's container"
+                );
             }
         }
         assert_eq!(a.gpus[0].mig_devices.len(), 1);
         assert_eq!(gn.spec, full.spec);
+    }
+
+    /// An idleness as the pool reads it: activity, idle time and the holders by namespace and
+    /// name.
+    fn holders(i: &gpupool_crds::node::Idleness) -> impl PartialEq + std::fmt::Debug {
+        (
+            format!("{:?}", i.activity),
+            i.idle_since.clone(),
+            i.pods
+                .iter()
+                .map(|p| (p.namespace.clone(), p.name.clone()))
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    #[test]
+    fn a_trimmed_gpunode_folds_its_pool_label_and_keeps_its_owner() {
+        let pool: gpupool_crds::GpuPool = serde_json::from_value(serde_json::json!({
+            "apiVersion": "gpupool.io/v1alpha1", "kind": "GpuPool",
+            "metadata": {"name": "train", "uid": "pool-uid"},
+            "spec": {"nodeSelector": {}}
+        }))
+        .unwrap();
+        let written = crate::pool::desired_gpunode(&pool, "n1", &BTreeMap::new()).0;
+        let mut cached = written.clone();
+        cached.metadata.uid = Some("gn-uid".into());
+        cached.metadata.resource_version = Some("7".into());
+        cached.status = Some(mig_node_status(&cached, &[]));
+        trim_gpunode(&mut cached);
+
+        // The pool label alone is folded, and still read as the pool's.
+        assert_eq!(cached.metadata.labels, Some(BTreeMap::new()));
+        assert_eq!(gpunode_pool(&cached), Some("train"));
+        assert_eq!(gpunode_pool(&written), Some("train"));
+        assert!(crate::pool::gpunode_up_to_date(&cached, &written));
+        // Owned by the pool, compared by UID; the owner's other strings are gone.
+        assert!(crate::controller::owned_by(&cached, &pool));
+        let owner = &cached.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.uid.as_str(), owner.controller),
+            ("pool-uid", Some(true))
+        );
+        assert!(owner.name.is_empty() && owner.kind.is_empty());
+        assert_eq!(
+            (
+                cached.metadata.uid.as_ref(),
+                cached.metadata.resource_version.as_ref()
+            ),
+            (None, None)
+        );
+        let status = cached.status.as_ref().unwrap();
+        assert!(status.cuda_version.is_none());
+        assert!(
+            status
+                .cdi
+                .as_ref()
+                .is_some_and(|c| c.path.is_empty() && c.devices > 0)
+        );
+
+        // Labels beside the pool label, or a label naming another pool, are kept as they are.
+        for labels in [
+            BTreeMap::from([
+                (POOL_LABEL.to_string(), "train".to_string()),
+                ("team".to_string(), "ml".to_string()),
+            ]),
+            BTreeMap::from([(POOL_LABEL.to_string(), "other".to_string())]),
+        ] {
+            let mut gn = written.clone();
+            gn.metadata.labels = Some(labels.clone());
+            trim_gpunode(&mut gn);
+            assert_eq!(gn.metadata.labels.as_ref(), Some(&labels));
+            assert_eq!(
+                gpunode_pool(&gn),
+                labels.get(POOL_LABEL).map(String::as_str)
+            );
+        }
+        // A GpuNode without labels names no pool, and one whose pool label is elsewhere shows.
+        let mut bare = written.clone();
+        bare.metadata.labels = None;
+        trim_gpunode(&mut bare);
+        assert_eq!(gpunode_pool(&bare), None);
+        assert!(!crate::pool::gpunode_up_to_date(&bare, &written));
     }
 
     fn layout(profile: &str, count: u32) -> NodeMigSpec {

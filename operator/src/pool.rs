@@ -259,7 +259,7 @@ pub fn gpunode_for(pool: &GpuPool, node_name: &str, spec: GpuNodeSpec) -> GpuNod
 
 /// Whether an existing GpuNode already has what `desired` asks (spec, pool label, owner).
 pub fn gpunode_up_to_date(existing: &GpuNode, desired: &GpuNode) -> bool {
-    let label = |g: &GpuNode| g.labels().get(gpupool_crds::labels::POOL_LABEL).cloned();
+    let label = crate::cache::gpunode_pool;
     let owner = |g: &GpuNode| {
         g.owner_references()
             .iter()
