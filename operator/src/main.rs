@@ -89,6 +89,12 @@ struct Args {
     /// never trims (the e2e observability test failed intermittently with trims on).
     #[arg(long, env = "GPUPOOL_HEAP_TRIM_SECS", default_value_t = 0)]
     heap_trim_secs: u64,
+    /// Blocks of this many KiB or more get mappings of their own, returned to the kernel when
+    /// freed (list pages being decoded are the largest); glibc would otherwise raise the
+    /// threshold as large blocks are freed and keep their pages in its arenas. 0 leaves glibc's
+    /// dynamic threshold.
+    #[arg(long, env = "GPUPOOL_HEAP_MMAP_THRESHOLD_KIB", default_value_t = 128)]
+    heap_mmap_threshold_kib: usize,
     /// Seconds to wait for the CRDs to be Established at start.
     #[arg(long, env = "GPUPOOL_CRD_TIMEOUT", default_value_t = 60)]
     crd_timeout: u64,
@@ -188,6 +194,14 @@ async fn main() -> Result<()> {
         .file_name(std::env::var_os("GPUPOOL_DHAT_FILE").unwrap_or_else(|| "dhat-heap.json".into()))
         .build();
     init_logs(&args)?;
+    if args.heap_mmap_threshold_kib > 0
+        && !gpupool_operator::heap::fix_mmap_threshold(args.heap_mmap_threshold_kib * 1024)
+    {
+        warn!(
+            kib = args.heap_mmap_threshold_kib,
+            "the allocator did not take the mmap threshold (not glibc, or above 32 MiB)"
+        );
+    }
     // kube uses ring; when this binary is built together with the node agent (one workspace
     // build), feature unification also compiles rustls's aws-lc-rs provider in, and rustls then
     // refuses to pick a default on its own. Choose ring explicitly, as the agent does.
