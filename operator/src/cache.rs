@@ -14,7 +14,7 @@
 //!   flat.
 //! - **GpuNodes** ([`trim_gpunode`]): the agent's status less what only the node itself uses:
 //!   PCI bus IDs, MIG device UUIDs and CDI names, a healthy GPU's UUID (the pool names a GPU
-//!   by UUID only when it is unhealthy), passed checks' messages, and the MIG devices no pod
+//!   by UUID only when it is unhealthy), passed checks (the pool reads failed ones), and the MIG devices no pod
 //!   holds, and the healthy GPUs nothing holds: the operator reads a GPU or MIG device only
 //!   for its holders (reclaim, drain, GPU-time accounting) or, unhealthy, to name it; GPU
 //!   counts come from the agent's totals; the holders' container names, the CDI spec's path
@@ -75,7 +75,6 @@ pub fn trim_pod(pod: &mut Pod) {
         name: meta.name,
         namespace: meta.namespace,
         uid: meta.uid,
-        resource_version: meta.resource_version,
         creation_timestamp: meta.creation_timestamp,
         deletion_timestamp: meta.deletion_timestamp,
         labels: meta.labels,
@@ -149,18 +148,55 @@ pub struct CachedPod {
     meta: PodMeta,
     labels: Option<PackedMap>,
     spec: Option<Box<CachedSpec>>,
-    phase: Option<Box<str>>,
+    phase: Option<Phase>,
     start_time: Option<Time>,
     has_status: bool,
 }
 
-/// The metadata [`trim_pod`] keeps, its labels aside.
+/// A pod's phase: the five the API defines without an allocation, anything else as sent.
+#[derive(Clone, Debug, PartialEq)]
+enum Phase {
+    Pending,
+    Running,
+    Succeeded,
+    Failed,
+    Unknown,
+    Other(Box<str>),
+}
+
+impl From<String> for Phase {
+    fn from(phase: String) -> Self {
+        match phase.as_str() {
+            "Pending" => Phase::Pending,
+            "Running" => Phase::Running,
+            "Succeeded" => Phase::Succeeded,
+            "Failed" => Phase::Failed,
+            "Unknown" => Phase::Unknown,
+            _ => Phase::Other(phase.into_boxed_str()),
+        }
+    }
+}
+
+impl Phase {
+    fn as_str(&self) -> &str {
+        match self {
+            Phase::Pending => "Pending",
+            Phase::Running => "Running",
+            Phase::Succeeded => "Succeeded",
+            Phase::Failed => "Failed",
+            Phase::Unknown => "Unknown",
+            Phase::Other(p) => p,
+        }
+    }
+}
+
+/// The metadata [`trim_pod`] keeps, its labels aside: no resource version (the watch has read
+/// it, and no decision does).
 #[derive(Clone, Debug, PartialEq)]
 struct PodMeta {
     name: Option<Box<str>>,
     namespace: Option<Box<str>>,
     uid: Option<Box<str>>,
-    resource_version: Option<Box<str>>,
     creation_timestamp: Option<Time>,
     deletion_timestamp: Option<Time>,
     /// The `gpupool.io/` annotations.
@@ -174,7 +210,6 @@ impl From<ObjectMeta> for PodMeta {
             name: meta.name.map(String::into_boxed_str),
             namespace: meta.namespace.map(String::into_boxed_str),
             uid: meta.uid.map(String::into_boxed_str),
-            resource_version: meta.resource_version.map(String::into_boxed_str),
             creation_timestamp: meta.creation_timestamp,
             deletion_timestamp: meta.deletion_timestamp,
             annotations: meta
@@ -192,7 +227,6 @@ impl PodMeta {
             name: string(&self.name),
             namespace: string(&self.namespace),
             uid: string(&self.uid),
-            resource_version: string(&self.resource_version),
             creation_timestamp: self.creation_timestamp.clone(),
             deletion_timestamp: self.deletion_timestamp.clone(),
             annotations: self.annotations.as_ref().map(|a| a.to_map(|v| v)),
@@ -304,7 +338,7 @@ impl From<Pod> for CachedPod {
             meta: pod.metadata.into(),
             labels,
             spec,
-            phase: status.phase.map(String::into_boxed_str),
+            phase: status.phase.map(Phase::from),
             start_time: status.start_time,
             has_status,
         }
@@ -346,7 +380,7 @@ impl CachedPod {
                 }
             }),
             status: self.has_status.then(|| PodStatus {
-                phase: self.phase.as_deref().map(str::to_string),
+                phase: self.phase().map(str::to_string),
                 start_time: self.start_time.clone(),
                 ..PodStatus::default()
             }),
@@ -393,7 +427,7 @@ impl CachedPod {
 
     /// The pod's phase.
     pub fn phase(&self) -> Option<&str> {
-        self.phase.as_deref()
+        self.phase.as_ref().map(Phase::as_str)
     }
 
     /// Whether a container asks for GPUs ([`crate::demand::requests_gpu`] of the pod, read from
@@ -434,7 +468,7 @@ impl kube::runtime::reflector::Lookup for CachedPod {
         self.meta.namespace.as_deref().map(Cow::Borrowed)
     }
     fn resource_version(&self) -> Option<Cow<'_, str>> {
-        self.meta.resource_version.as_deref().map(Cow::Borrowed)
+        None
     }
     fn uid(&self) -> Option<Cow<'_, str>> {
         self.meta.uid.as_deref().map(Cow::Borrowed)
@@ -657,9 +691,9 @@ pub fn trim_gpunode(gn: &mut GpuNode) {
         return;
     };
     status.cuda_version = None;
-    for check in status.checks.iter_mut().filter(|c| c.passed) {
-        check.message = String::new();
-    }
+    // The pool reads the failed checks only.
+    status.checks.retain(|c| !c.passed);
+    status.checks.shrink_to_fit();
     if let Some(cdi) = status.cdi.as_mut() {
         cdi.digest = String::new();
         cdi.path = String::new();
@@ -930,6 +964,18 @@ mod tests {
     }
 
     #[test]
+    fn a_cached_pod_gives_back_every_phase_as_sent() {
+        for phase in ["Pending", "Running", "Succeeded", "Failed", "Unknown", "Evicted"] {
+            let mut p = pod("nvidia.com/gpu", Some("n1"));
+            p.status.as_mut().unwrap().phase = Some(phase.into());
+            let cached = CachedPod::from(p.clone());
+            assert_eq!(cached.phase(), Some(phase));
+            trim_pod(&mut p);
+            assert_eq!(cached.to_pod(), p);
+        }
+    }
+
+    #[test]
     fn a_trimmed_bound_pod_answers_every_question_as_before() {
         let full = pod("nvidia.com/gpu", Some("n1"));
         let mut trimmed = full.clone();
@@ -941,7 +987,10 @@ mod tests {
         assert!(warning(&trimmed).is_some());
         assert_eq!(trimmed.metadata.labels, full.metadata.labels);
         assert_eq!(trimmed.metadata.uid.as_deref(), Some("u-1"));
-        assert_eq!(trimmed.metadata.resource_version.as_deref(), Some("42"));
+        assert_eq!(
+            trimmed.metadata.resource_version, None,
+            "read by no decision"
+        );
         let spec = trimmed.spec.as_ref().unwrap();
         assert_eq!(spec.node_name.as_deref(), Some("n1"));
         assert_eq!(spec.priority_class_name.as_deref(), Some("batch-low"));
@@ -1146,13 +1195,15 @@ mod tests {
         let full = gn.clone();
         trim_gpunode(&mut gn);
         let (a, b) = (gn.status.as_ref().unwrap(), full.status.as_ref().unwrap());
+        assert_eq!(
+            a.checks.len(),
+            1,
+            "passed checks are dropped: {:?}",
+            a.checks
+        );
         assert_eq!(a.checks[0].message, "driver 535 is older than 550");
         assert_eq!(a.healthy_gpus, b.healthy_gpus);
         assert_eq!(a.mig, b.mig);
-        assert_eq!(
-            a.checks[1].message, "",
-            "a passed check's message is dropped"
-        );
         // GPU 0 holds the pod, GPU 2 is unhealthy; the other six are dropped.
         assert_eq!(a.gpus.iter().map(|g| g.index).collect::<Vec<_>>(), [0, 2]);
         assert_eq!((a.gpu_count, a.healthy_gpus), (b.gpu_count, b.healthy_gpus));
