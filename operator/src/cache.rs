@@ -14,8 +14,8 @@
 //!   flat.
 //! - **GpuNodes** ([`trim_gpunode`]): the agent's status less what only the node itself uses:
 //!   PCI bus IDs, MIG device UUIDs and CDI names, a healthy GPU's UUID (the pool names a GPU
-//!   by UUID only when it is unhealthy), passed checks (the pool reads failed ones), and the MIG devices no pod
-//!   holds, and the healthy GPUs nothing holds: the operator reads a GPU or MIG device only
+//!   by UUID only when it is unhealthy), passed checks (the pool reads failed ones), the MIG
+//!   devices no pod holds, and the healthy GPUs nothing holds: the operator reads a GPU or MIG device only
 //!   for its holders (reclaim, drain, GPU-time accounting) or, unhealthy, to name it; GPU
 //!   counts come from the agent's totals; the holders' container names, the CDI spec's path
 //!   and the CUDA version are not read either. Of the metadata, the UID, resource version and
@@ -965,7 +965,14 @@ mod tests {
 
     #[test]
     fn a_cached_pod_gives_back_every_phase_as_sent() {
-        for phase in ["Pending", "Running", "Succeeded", "Failed", "Unknown", "Evicted"] {
+        for phase in [
+            "Pending",
+            "Running",
+            "Succeeded",
+            "Failed",
+            "Unknown",
+            "Evicted",
+        ] {
             let mut p = pod("nvidia.com/gpu", Some("n1"));
             p.status.as_mut().unwrap().phase = Some(phase.into());
             let cached = CachedPod::from(p.clone());

@@ -1,4 +1,4 @@
-//! What every reconcile shares: the [`Context`] (client, reflector stores, recorder, metrics,
+//! What every reconcile shares: the [`Context`] (client, caches, recorder, metrics,
 //! settings, backoff state) and the field manager the operator writes as. Kept apart from the
 //! controller so the I/O modules that take a `Context` ([`crate::drain`],
 //! [`crate::reclaim_run`]) depend on it, not on the controller that calls them.
@@ -86,7 +86,8 @@ impl Default for Settings {
     }
 }
 
-/// What every reconcile shares: the client, the reflector stores, the recorder, metrics.
+/// What every reconcile shares: the client, the caches ([`crate::store`]), the recorder and
+/// metrics.
 pub struct Context {
     /// API client.
     pub client: Client,
