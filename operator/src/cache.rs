@@ -15,8 +15,8 @@
 //! - **GpuNodes** ([`trim_gpunode`]): the agent's status less what only the node itself uses:
 //!   PCI bus IDs, MIG device UUIDs and CDI names, a healthy GPU's UUID (the pool names a GPU
 //!   by UUID only when it is unhealthy), passed checks (the pool reads failed ones), the MIG
-//!   devices no pod holds, and the healthy GPUs nothing holds: the operator reads a GPU or MIG device only
-//!   for its holders (reclaim, drain, GPU-time accounting) or, unhealthy, to name it; GPU
+//!   devices no pod holds, and the healthy GPUs nothing holds: the operator reads a GPU or MIG
+//!   device only for its holders (reclaim, drain, GPU-time accounting) or, unhealthy, to name it; GPU
 //!   counts come from the agent's totals; the holders' container names, the CDI spec's path
 //!   and the CUDA version are not read either. Of the metadata, the UID, resource version and
 //!   owners' names go (owners are compared by UID), and the usual labels, the pool label
