@@ -16,15 +16,14 @@
 //!   PCI bus IDs, MIG device UUIDs and CDI names, a healthy GPU's UUID (the pool names a GPU
 //!   by UUID only when it is unhealthy), passed checks (the pool reads failed ones), the MIG
 //!   devices no pod holds, and the healthy GPUs nothing holds: the operator reads a GPU or MIG
-//!   device only for its holders (reclaim, drain, GPU-time accounting) or, unhealthy, to name it; GPU
-//!   counts come from the agent's totals; the holders' container names, the CDI spec's path
-//!   and the CUDA version are not read either. Of the metadata, the UID, resource version and
-//!   owners' names go (owners are compared by UID), and the usual labels, the pool label
-//!   alone, are folded into an empty map ([`gpunode_pool`] reads it). The spec is kept whole:
-//!   it is
-//!   what the operator compares its desired state with. Its MIG layout, most of a spec's
-//!   bytes, is shared ([`SharedLayouts`]): nodes of one kind carry equal layouts, and the
-//!   cache keeps one copy of each.
+//!   device only for its holders (reclaim, drain, GPU-time accounting) or, unhealthy, to name
+//!   it; GPU counts come from the agent's totals; the holders' container names, the CDI
+//!   spec's path and the CUDA version are not read either. Of the metadata, the UID,
+//!   resource version and owners' names go (owners are compared by UID), and the usual
+//!   labels, the pool label alone, are folded into an empty map ([`gpunode_pool`] reads it).
+//!   The spec is kept whole: it is what the operator compares its desired state with. Its MIG
+//!   layout, most of a spec's bytes, is shared ([`SharedLayouts`]): nodes of one kind carry
+//!   equal layouts, and the cache keeps one copy of each.
 //!
 //! The operator never writes an object back from these copies: its writes are server-side
 //! applies of its own fields and merge patches of annotations.
