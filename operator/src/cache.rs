@@ -135,6 +135,11 @@ fn gpu_resources_only(r: ResourceRequirements) -> ResourceRequirements {
     }
 }
 
+/// How the operator names a pod in its status, Events and logs: `namespace/name`.
+pub fn pod_key(namespace: &str, name: &str) -> String {
+    format!("{namespace}/{name}")
+}
+
 /// What the operator keeps of a pod: [`trim_pod`]'s cut, stored flat. The pod watch
 /// deserializes into it (a `Pod` first, folded at once, see [`WatchedPod`]), so a pod costs
 /// the cache a few strings: its metadata is a handful of fields, not an `ObjectMeta` (344
@@ -398,7 +403,7 @@ impl CachedPod {
 
     /// `namespace/name`.
     pub fn key(&self) -> String {
-        format!("{}/{}", self.pod_namespace(), self.pod_name())
+        pod_key(self.pod_namespace(), self.pod_name())
     }
 
     /// Whether the pod is being deleted.

@@ -141,11 +141,11 @@ pub fn field_requirement_matches(req: &NodeSelectorRequirement, node: &CachedNod
     if req.key != "metadata.name" {
         return false;
     }
-    let name = node.name_any();
+    let name = node.name();
     let values = req.values.as_deref().unwrap_or_default();
     match req.operator.as_str() {
-        "In" => values.contains(&name),
-        "NotIn" => !values.contains(&name),
+        "In" => values.iter().any(|v| v == name),
+        "NotIn" => !values.iter().any(|v| v == name),
         _ => false,
     }
 }

@@ -195,11 +195,13 @@ async fn main() -> Result<()> {
         .build();
     init_logs(&args)?;
     if args.heap_mmap_threshold_kib > 0
-        && !gpupool_operator::heap::fix_mmap_threshold(args.heap_mmap_threshold_kib * 1024)
+        && !gpupool_operator::heap::fix_mmap_threshold(
+            args.heap_mmap_threshold_kib.saturating_mul(1024),
+        )
     {
         warn!(
             kib = args.heap_mmap_threshold_kib,
-            "the allocator did not take the mmap threshold (not glibc, or above 32 MiB)"
+            "the allocator did not take the mmap threshold (not glibc, or too large)"
         );
     }
     // kube uses ring; when this binary is built together with the node agent (one workspace

@@ -177,7 +177,7 @@ fn job_uid(owners: &[OwnerReference]) -> Option<&str> {
 }
 
 fn pod_key(pod: &impl ResourceExt) -> String {
-    format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any())
+    crate::cache::pod_key(&pod.namespace().unwrap_or_default(), &pod.name_any())
 }
 
 /// Runs the reclaimer over one pool's nodes and returns the new reclaim status. A failed API

@@ -31,6 +31,11 @@ struct Table<K> {
     hasher: RandomState,
 }
 
+/// The hash an object's slot is found by: of its namespace and name.
+fn hash_of<K: Lookup>(hasher: &RandomState, obj: &K) -> u64 {
+    hasher.hash_one((obj.namespace().as_deref(), obj.name().as_deref()))
+}
+
 impl<K: Lookup> Table<K> {
     fn new(hasher: RandomState) -> Self {
         Table {
@@ -43,21 +48,16 @@ impl<K: Lookup> Table<K> {
         self.hasher.hash_one((namespace, name))
     }
 
-    fn hash_of(&self, obj: &K) -> u64 {
-        self.hash(obj.namespace().as_deref(), obj.name().as_deref())
-    }
-
     fn same(obj: &K, namespace: Option<&str>, name: Option<&str>) -> bool {
         obj.name().as_deref() == name && obj.namespace().as_deref() == namespace
     }
 
     fn insert(&mut self, obj: Arc<K>) {
-        let hash = self.hash_of(&obj);
         let hasher = &self.hasher;
         let entry = self.objects.entry(
-            hash,
+            hash_of(hasher, obj.as_ref()),
             |o| Self::same(o, obj.namespace().as_deref(), obj.name().as_deref()),
-            |o| hasher.hash_one((o.namespace().as_deref(), o.name().as_deref())),
+            |o| hash_of(hasher, o.as_ref()),
         );
         match entry {
             hashbrown::hash_table::Entry::Occupied(mut e) => *e.get_mut() = obj,
@@ -69,7 +69,7 @@ impl<K: Lookup> Table<K> {
 
     fn remove(&mut self, obj: &K) {
         let (namespace, name) = (obj.namespace(), obj.name());
-        let hash = self.hash_of(obj);
+        let hash = hash_of(&self.hasher, obj);
         if let Ok(e) = self.objects.find_entry(hash, |o| {
             Self::same(o, namespace.as_deref(), name.as_deref())
         }) {
