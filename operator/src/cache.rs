@@ -45,6 +45,9 @@ use kube::api::ObjectMeta;
 use kube::runtime::watcher;
 use serde::Deserialize;
 
+use crate::intern::intern;
+use crate::uid::Uid;
+
 /// Whether a resource name is a GPU resource gpupool serves: whole GPUs, MIG devices, and
 /// their shared replicas under `renameByDefault` (`nvidia.com/gpu.shared`,
 /// `nvidia.com/mig-1g.10gb.shared`).
@@ -199,42 +202,90 @@ impl Phase {
 #[derive(Clone, Debug, PartialEq)]
 struct PodMeta {
     name: Option<Box<str>>,
-    namespace: Option<Box<str>>,
-    uid: Option<Box<str>>,
+    /// Interned: a cluster's pods share a few namespaces.
+    namespace: Option<Arc<str>>,
+    uid: Option<Uid>,
     creation_timestamp: Option<Time>,
     deletion_timestamp: Option<Time>,
     /// The `gpupool.io/` annotations.
     annotations: Option<PackedMap>,
-    owner_references: Option<Box<[OwnerReference]>>,
+    owner_references: Option<Box<[CachedOwner]>>,
+}
+
+/// An owner reference as a cached pod keeps it: the API version and kind interned (nearly
+/// every owner is a `batch/v1` Job or an `apps/v1` ReplicaSet), the UID as a number.
+#[derive(Clone, Debug, PartialEq)]
+struct CachedOwner {
+    api_version: Arc<str>,
+    kind: Arc<str>,
+    name: Box<str>,
+    uid: Uid,
+    controller: Option<bool>,
+    block_owner_deletion: Option<bool>,
+}
+
+impl From<OwnerReference> for CachedOwner {
+    fn from(o: OwnerReference) -> Self {
+        CachedOwner {
+            api_version: intern(&o.api_version),
+            kind: intern(&o.kind),
+            name: o.name.into_boxed_str(),
+            uid: Uid::new(&o.uid),
+            controller: o.controller,
+            block_owner_deletion: o.block_owner_deletion,
+        }
+    }
+}
+
+impl CachedOwner {
+    fn to_owner(&self) -> OwnerReference {
+        OwnerReference {
+            api_version: self.api_version.to_string(),
+            kind: self.kind.to_string(),
+            name: self.name.to_string(),
+            uid: self.uid.to_string(),
+            controller: self.controller,
+            block_owner_deletion: self.block_owner_deletion,
+        }
+    }
+
+    /// Whether this owner is a Job (of any `batch/` version).
+    fn is_job(&self) -> bool {
+        &*self.kind == "Job" && self.api_version.starts_with("batch/")
+    }
 }
 
 impl From<ObjectMeta> for PodMeta {
     fn from(meta: ObjectMeta) -> Self {
         PodMeta {
             name: meta.name.map(String::into_boxed_str),
-            namespace: meta.namespace.map(String::into_boxed_str),
-            uid: meta.uid.map(String::into_boxed_str),
+            namespace: meta.namespace.as_deref().map(intern),
+            uid: meta.uid.as_deref().map(Uid::new),
             creation_timestamp: meta.creation_timestamp,
             deletion_timestamp: meta.deletion_timestamp,
             annotations: meta
                 .annotations
                 .map(|a| PackedMap::pack(a.iter().map(|(k, v)| (k.as_str(), v.as_str())))),
-            owner_references: meta.owner_references.map(Vec::into_boxed_slice),
+            owner_references: meta
+                .owner_references
+                .map(|o| o.into_iter().map(CachedOwner::from).collect()),
         }
     }
 }
 
 impl PodMeta {
     fn to_meta(&self) -> ObjectMeta {
-        let string = |s: &Option<Box<str>>| s.as_deref().map(str::to_string);
         ObjectMeta {
-            name: string(&self.name),
-            namespace: string(&self.namespace),
-            uid: string(&self.uid),
+            name: self.name.as_deref().map(str::to_string),
+            namespace: self.namespace.as_deref().map(str::to_string),
+            uid: self.uid.as_ref().map(Uid::to_string),
             creation_timestamp: self.creation_timestamp.clone(),
             deletion_timestamp: self.deletion_timestamp.clone(),
             annotations: self.annotations.as_ref().map(|a| a.to_map(|v| v)),
-            owner_references: self.owner_references.as_deref().map(<[_]>::to_vec),
+            owner_references: self
+                .owner_references
+                .as_deref()
+                .map(|o| o.iter().map(CachedOwner::to_owner).collect()),
             ..ObjectMeta::default()
         }
     }
@@ -242,20 +293,22 @@ impl PodMeta {
 
 #[derive(Clone, Debug, PartialEq)]
 struct CachedSpec {
-    node_name: Option<Box<str>>,
-    priority_class_name: Option<Box<str>>,
+    /// Interned, as is the priority class: a node's pods share its name.
+    node_name: Option<Arc<str>>,
+    priority_class_name: Option<Arc<str>>,
     containers: Box<[CachedContainer]>,
     /// The scheduling constraints, kept only while the pod waits for a node.
     unbound: Option<Box<Unbound>>,
 }
 
-/// A container's name and GPU requests and limits.
+/// A container's name and GPU requests and limits, all interned: a cluster's GPU containers
+/// ask for a few distinct sets of GPUs, and the API server copies limits into requests.
 #[derive(Clone, Debug, PartialEq)]
 struct CachedContainer {
-    name: Box<str>,
+    name: Arc<str>,
     /// `(limits, requests)`, each of GPU resources only; `None` where the container had no
     /// resources at all.
-    resources: Option<(Option<PackedMap>, Option<PackedMap>)>,
+    resources: Option<(Option<PackedMap<Arc<str>>>, Option<PackedMap<Arc<str>>>)>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -270,25 +323,32 @@ struct Unbound {
 /// `BTreeMap<String, String>` of a pod's few labels costs a 500-byte node and two allocations
 /// an entry.
 #[derive(Clone, Debug, PartialEq)]
-pub struct PackedMap(Box<str>);
+pub struct PackedMap<S = Box<str>>(S);
+
+const SEP: char = '\0';
 
 impl PackedMap {
-    const SEP: char = '\0';
-
     fn pack<'a>(entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
         let mut s = String::new();
         for (k, v) in entries {
             s.push_str(k);
-            s.push(Self::SEP);
+            s.push(SEP);
             s.push_str(v);
-            s.push(Self::SEP);
+            s.push(SEP);
         }
         PackedMap(s.into_boxed_str())
     }
 
+    /// The shared copy of this map ([`crate::intern`]).
+    fn interned(&self) -> PackedMap<Arc<str>> {
+        PackedMap(intern(&self.0))
+    }
+}
+
+impl<S: std::ops::Deref<Target = str>> PackedMap<S> {
     /// The entries in key order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
-        let mut parts = self.0.split_terminator(Self::SEP);
+        let mut parts = self.0.split_terminator(SEP);
         std::iter::from_fn(move || Some((parts.next()?, parts.next()?)))
     }
 
@@ -308,7 +368,7 @@ impl From<Pod> for CachedPod {
             .take()
             .map(|l| PackedMap::pack(l.iter().map(|(k, v)| (k.as_str(), v.as_str()))));
         let pack_quantities = |m: Option<BTreeMap<String, Quantity>>| {
-            m.map(|m| PackedMap::pack(m.iter().map(|(k, v)| (k.as_str(), v.0.as_str()))))
+            m.map(|m| PackedMap::pack(m.iter().map(|(k, v)| (k.as_str(), v.0.as_str()))).interned())
         };
         let spec = pod.spec.map(|s| {
             let unbound =
@@ -321,13 +381,13 @@ impl From<Pod> for CachedPod {
                         })
                     });
             Box::new(CachedSpec {
-                node_name: s.node_name.map(String::into_boxed_str),
-                priority_class_name: s.priority_class_name.map(String::into_boxed_str),
+                node_name: s.node_name.as_deref().map(intern),
+                priority_class_name: s.priority_class_name.as_deref().map(intern),
                 containers: s
                     .containers
                     .into_iter()
                     .map(|c| CachedContainer {
-                        name: c.name.into_boxed_str(),
+                        name: intern(&c.name),
                         resources: c
                             .resources
                             .map(|r| (pack_quantities(r.limits), pack_quantities(r.requests))),
@@ -352,7 +412,7 @@ impl From<Pod> for CachedPod {
 impl CachedPod {
     /// The pod as [`trim_pod`] leaves it, for the decisions that read pods.
     pub fn to_pod(&self) -> Pod {
-        let quantities = |m: &Option<PackedMap>| m.as_ref().map(|m| m.to_map(Quantity));
+        let quantities = |m: &Option<PackedMap<Arc<str>>>| m.as_ref().map(|m| m.to_map(Quantity));
         let mut metadata = self.meta.to_meta();
         metadata.labels = self.labels.as_ref().map(|l| l.to_map(|v| v));
         Pod {
@@ -411,9 +471,14 @@ impl CachedPod {
         self.meta.deletion_timestamp.is_some()
     }
 
-    /// The pod's owners.
-    pub fn owner_references(&self) -> &[OwnerReference] {
-        self.meta.owner_references.as_deref().unwrap_or_default()
+    /// The UID of the Job that owns the pod, if a Job does.
+    pub fn job_uid(&self) -> Option<&Uid> {
+        self.meta
+            .owner_references
+            .iter()
+            .flatten()
+            .find(|o| o.is_job())
+            .map(|o| &o.uid)
     }
 
     /// Whether the pod carries the (`gpupool.io/`) annotation `key`.
@@ -475,7 +540,7 @@ impl kube::runtime::reflector::Lookup for CachedPod {
         None
     }
     fn uid(&self) -> Option<Cow<'_, str>> {
-        self.meta.uid.as_deref().map(Cow::Borrowed)
+        self.meta.uid.as_ref().map(|u| Cow::Owned(u.to_string()))
     }
 }
 
@@ -921,6 +986,52 @@ mod tests {
     }
 
     #[test]
+    fn cached_pods_share_their_repeated_strings_and_read_back_as_sent() {
+        let mut a = pod("nvidia.com/mig-1g.10gb", Some("n1"));
+        let uid = "0c6f3a52-9d1e-4b7a-8f21-000000010203";
+        a.metadata.uid = Some(uid.into());
+        a.metadata.owner_references.as_mut().unwrap()[0].uid = uid.replace("0102", "0909");
+        let resources = a.spec.as_mut().unwrap().containers[0]
+            .resources
+            .as_mut()
+            .unwrap();
+        resources.requests = resources.limits.clone();
+        let mut b = a.clone();
+        b.metadata.name = Some("trainer-1".into());
+        let (ca, cb) = (CachedPod::from(a.clone()), CachedPod::from(b));
+        let spec = |p: &CachedPod| p.spec.as_deref().unwrap().clone();
+        let (sa, sb) = (spec(&ca), spec(&cb));
+        let shared = |x: &Option<Arc<str>>, y: &Option<Arc<str>>| {
+            Arc::ptr_eq(x.as_ref().unwrap(), y.as_ref().unwrap())
+        };
+        assert!(shared(&ca.meta.namespace, &cb.meta.namespace));
+        assert!(shared(&sa.node_name, &sb.node_name));
+        assert!(shared(&sa.priority_class_name, &sb.priority_class_name));
+        assert!(Arc::ptr_eq(&sa.containers[0].name, &sb.containers[0].name));
+        let (owner_a, owner_b) = (
+            &ca.meta.owner_references.as_deref().unwrap()[0],
+            &cb.meta.owner_references.as_deref().unwrap()[0],
+        );
+        assert!(Arc::ptr_eq(&owner_a.kind, &owner_b.kind));
+        assert!(Arc::ptr_eq(&owner_a.api_version, &owner_b.api_version));
+        // The API server copies limits into requests: one shared map serves both.
+        let (limits, requests) = sa.containers[0].resources.as_ref().unwrap();
+        assert!(Arc::ptr_eq(
+            &limits.as_ref().unwrap().0,
+            &requests.as_ref().unwrap().0
+        ));
+        // The UIDs, held as numbers, and everything else read back exactly as sent.
+        assert!(matches!(ca.meta.uid, Some(Uid::Uuid(_))));
+        assert_eq!(
+            ca.job_uid(),
+            Some(&Uid::new("0c6f3a52-9d1e-4b7a-8f21-000000090903"))
+        );
+        let mut trimmed = a;
+        trim_pod(&mut trimmed);
+        assert_eq!(ca.to_pod(), trimmed);
+    }
+
+    #[test]
     fn the_pod_watch_reads_its_resume_point_and_the_cache_takes_the_flat_pod() {
         use kube::runtime::reflector::Lookup;
 
@@ -943,7 +1054,7 @@ mod tests {
         assert_eq!(cached.pod_namespace(), "ml");
         assert_eq!(cached.key(), "ml/trainer-0");
         assert!(cached.is_deleting());
-        assert_eq!(cached.owner_references()[0].name, "trainer");
+        assert_eq!(cached.job_uid(), Some(&Uid::new("j-1")));
         assert!(cached.has_annotation("gpupool.io/idle-since"));
         assert!(!cached.has_annotation("kubectl.kubernetes.io/last-applied-configuration"));
         assert!(

@@ -15,6 +15,7 @@ pub mod drain;
 pub mod error;
 pub mod heap;
 pub mod http;
+pub mod intern;
 pub mod layout;
 pub mod lifecycle;
 pub mod liveness;
@@ -27,6 +28,7 @@ pub mod reclaim_run;
 pub mod startup;
 pub mod store;
 pub mod throttle;
+pub mod uid;
 
 pub use error::{Error, Result};
 

@@ -27,6 +27,7 @@ use crate::liveness::on_operator_clock;
 use crate::reclaim::{
     self, ActionKind, DRY_RUN_ANNOTATION, Decision, PodContext, devices_by_pod, reclaim_decision,
 };
+use crate::uid::Uid;
 
 /// Whether a node reports Ready (the agent's data on it can be current).
 fn node_ready(node: Option<&Arc<CachedNode>>) -> bool {
@@ -138,16 +139,16 @@ async fn deactivate_workload(
 /// The unfinished pods (the store holds no Succeeded or Failed ones) of each Job, gathered once
 /// per run: asked of every pod the run looks at, a scan of the whole store each time would make
 /// a run quadratic in the cluster's GPU pods.
-struct JobPods<'a>(HashMap<(&'a str, &'a str), Vec<&'a str>>);
+struct JobPods<'a>(HashMap<(&'a str, Uid), Vec<&'a str>>);
 
 impl<'a> JobPods<'a> {
     /// Groups `all` by namespace and owning Job, leaving out pods on their way out.
     fn gather(all: &'a [Arc<CachedPod>]) -> Self {
-        let mut by_job: HashMap<(&str, &str), Vec<&str>> = HashMap::new();
+        let mut by_job: HashMap<(&str, Uid), Vec<&str>> = HashMap::new();
         for p in all.iter().filter(|p| !p.is_deleting()) {
-            if let Some(uid) = job_uid(p.owner_references()) {
+            if let Some(uid) = p.job_uid() {
                 by_job
-                    .entry((p.pod_namespace(), uid))
+                    .entry((p.pod_namespace(), uid.clone()))
                     .or_default()
                     .push(p.pod_name());
             }
@@ -163,7 +164,7 @@ impl<'a> JobPods<'a> {
         let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
         let name = pod.metadata.name.as_deref().unwrap_or_default();
         self.0
-            .get(&(ns, uid))
+            .get(&(ns, Uid::new(uid)))
             .map_or(0, |names| names.iter().filter(|n| **n != name).count())
     }
 }
