@@ -41,13 +41,14 @@ use std::time::{Duration, Instant};
 use futures::{StreamExt, TryStreamExt, stream};
 use gpupool_crds::testing::mig_node_status;
 use gpupool_crds::{GpuNode, GpuPool};
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use shapes::{BoxResult, LABEL, NAMESPACE, POOL, gpu_holders, node, pod};
+use shapes::{BoxResult, LABEL, NAMESPACE, POOL, gpu_holders, node, pod, pod_name};
 
 mod shapes;
 
@@ -144,11 +145,43 @@ async fn create_pods(api: &Api<Pod>, pods: Vec<Pod>) -> BoxResult<()> {
     Ok(())
 }
 
+/// Creates node `i`'s Job for each of `nodes` nodes, 32 requests in flight, and returns their
+/// UIDs by node; a Job that exists already is read back.
+async fn create_jobs(api: &Api<Job>, nodes: u64) -> BoxResult<Vec<String>> {
+    stream::iter(0..nodes)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let job: Job = serde_json::from_value(shapes::job(i))?;
+                let made = match api.create(&PostParams::default(), &job).await {
+                    Ok(made) => made,
+                    Err(kube::Error::Api(s)) if s.code == 409 => api.get(&job.name_any()).await?,
+                    Err(e) => return Err(e.into()),
+                };
+                made.uid()
+                    .ok_or_else(|| format!("Job {} has no UID", job.name_any()).into())
+            }
+        })
+        .buffered(32)
+        .try_collect()
+        .await
+}
+
+/// The UID of node `i`'s Job.
+fn job_uid(uids: &[String], i: u64) -> BoxResult<&str> {
+    usize::try_from(i)
+        .ok()
+        .and_then(|i| uids.get(i))
+        .map(String::as_str)
+        .ok_or_else(|| format!("no Job for node {i}").into())
+}
+
 /// Replaces `per_sec` pods a second for `secs` seconds, cycling over the nodes: each step
 /// deletes one generation's pod and creates the next generation's in its place. Returns the
 /// pods replaced.
 async fn churn(
     api: &Api<Pod>,
+    job_uids: &[String],
     nodes: u64,
     per_node: u64,
     per_sec: u64,
@@ -165,11 +198,11 @@ async fn churn(
         for &slot in &batch {
             let (i, k) = ((slot % slots) / per_node, (slot % slots) % per_node);
             let generation = slot / slots;
-            let old = pod(i, k, generation)?.name_any();
+            let old = pod_name(i, k, generation);
             let _ = api
                 .delete(&old, &DeleteParams::default().grace_period(0))
                 .await;
-            fresh.push(pod(i, k, generation + 1)?);
+            fresh.push(pod(i, k, generation + 1, job_uid(job_uids, i)?)?);
         }
         create_pods(api, fresh).await?;
     }
@@ -528,11 +561,17 @@ async fn main() -> BoxResult<()> {
         Err(kube::Error::Api(s)) if s.code == 409 => {}
         Err(e) => return Err(e.into()),
     }
+    let started = Instant::now();
+    let job_uids = create_jobs(&Api::namespaced(client.clone(), NAMESPACE), n).await?;
+    println!(
+        "{n} Jobs (one per node, suspended) created in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let started = Instant::now();
     let all: Vec<Pod> = (0..n)
         .flat_map(|i| (0..per_node).map(move |k| (i, k)))
-        .map(|(i, k)| pod(i, k, 0))
+        .map(|(i, k)| pod(i, k, 0, job_uid(&job_uids, i)?))
         .collect::<BoxResult<_>>()?;
     println!(
         "creating {} pods ({per_node} per node, half holding a GPU)",
@@ -622,7 +661,7 @@ async fn main() -> BoxResult<()> {
     }
     let writes_at_ready = metric_sum("gpupool_api_writes_total").await?;
     // Steady state: pods keep coming and going.
-    let replaced = churn(&pods, n, per_node, churn_per_sec, steady).await?;
+    let replaced = churn(&pods, &job_uids, n, per_node, churn_per_sec, steady).await?;
     let writes_after = metric_sum("gpupool_api_writes_total").await?;
     let reconciles = metric_sum("gpupool_reconciles_total").await?;
     let rss_mib = vm_hwm_kib(pid) as f64 / 1024.0;

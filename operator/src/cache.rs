@@ -301,6 +301,9 @@ struct CachedSpec {
     unbound: Option<Box<Unbound>>,
 }
 
+/// A container's GPU limits or requests, interned.
+type Quantities = PackedMap<Arc<str>>;
+
 /// A container's name and GPU requests and limits, all interned: a cluster's GPU containers
 /// ask for a few distinct sets of GPUs, and the API server copies limits into requests.
 #[derive(Clone, Debug, PartialEq)]
@@ -308,7 +311,7 @@ struct CachedContainer {
     name: Arc<str>,
     /// `(limits, requests)`, each of GPU resources only; `None` where the container had no
     /// resources at all.
-    resources: Option<(Option<PackedMap<Arc<str>>>, Option<PackedMap<Arc<str>>>)>,
+    resources: Option<(Option<Quantities>, Option<Quantities>)>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -412,7 +415,7 @@ impl From<Pod> for CachedPod {
 impl CachedPod {
     /// The pod as [`trim_pod`] leaves it, for the decisions that read pods.
     pub fn to_pod(&self) -> Pod {
-        let quantities = |m: &Option<PackedMap<Arc<str>>>| m.as_ref().map(|m| m.to_map(Quantity));
+        let quantities = |m: &Option<Quantities>| m.as_ref().map(|m| m.to_map(Quantity));
         let mut metadata = self.meta.to_meta();
         metadata.labels = self.labels.as_ref().map(|l| l.to_map(|v| v));
         Pod {

@@ -4,7 +4,6 @@
 //! MIG devices.
 
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::ResourceExt;
 use serde_json::json;
 
 /// The label on everything the benches create.
@@ -33,8 +32,7 @@ pub fn pool() -> serde_json::Value {
 pub fn gpu_holders(i: u64, per_node: u64) -> Vec<(String, String)> {
     (0..per_node)
         .filter(|k| k.is_multiple_of(2))
-        .filter_map(|k| pod(i, k, 0).ok())
-        .map(|p| (NAMESPACE.to_string(), p.name_any()))
+        .map(|k| (NAMESPACE.to_string(), pod_name(i, k, 0)))
         .collect()
 }
 
@@ -65,12 +63,48 @@ pub const KEEP_RUNNING_LABEL: &str = "e2e.gpupool.io/keep-running";
 /// The namespace of the bench's pods.
 pub const NAMESPACE: &str = "scale-bench";
 
-/// Pod `k` of node `i` in generation `generation` (churn makes new generations): a training
-/// Job's pod, shaped as a Job controller and the API server's admission leave one (labels,
-/// env, volumes, a service account token), bound to its node; even `k` hold one 1g.10gb MIG device, odd ones
-/// are CPU-only sidecar-style workers, so half the pods hold GPUs.
-pub fn pod(i: u64, k: u64, generation: u64) -> BoxResult<Pod> {
-    let job = format!("train-{i:05}-{k}-{generation}");
+/// The training Job whose pods run on node `i`: created suspended, so that it starts no pods
+/// of its own; it is there so that its pods' owner exists, as the garbage collector requires.
+#[allow(
+    dead_code,
+    reason = "cache_bytes needs only the Job's UID, not the Job"
+)]
+pub fn job(i: u64) -> serde_json::Value {
+    json!({
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": { "name": job_name(i), "namespace": NAMESPACE, "labels": { LABEL: "true" } },
+        "spec": {
+            "suspend": true,
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [{ "name": "trainer", "image": "nvcr.io/nvidia/pytorch:24.10-py3" }],
+                },
+            },
+        },
+    })
+}
+
+fn job_name(i: u64) -> String {
+    format!("train-{i:05}")
+}
+
+/// The name of pod `k` of node `i` in generation `generation`.
+pub fn pod_name(i: u64, k: u64, generation: u64) -> String {
+    format!("{}-{k}-{generation}-x7k2p", job_name(i))
+}
+
+/// Pod `k` of node `i` in generation `generation` (churn makes new generations): a pod of the
+/// node's training Job (UID `job_uid`), shaped as a Job controller and the API server's
+/// admission leave one (owner reference, labels, env, volumes, a service account token),
+/// bound to its node; even `k` hold one 1g.10gb MIG device, odd ones are CPU-only
+/// sidecar-style workers, so half the pods hold GPUs. The owner reference is not marked
+/// controller, and the controller-uid label is not the Job's: the Job controller of the
+/// bench's cluster would otherwise adopt the pods and, its Job suspended, delete them. Neither
+/// changes what the operator keeps of a pod.
+pub fn pod(i: u64, k: u64, generation: u64, job_uid: &str) -> BoxResult<Pod> {
+    let job = job_name(i);
     let mut limits = json!({ "cpu": "8", "memory": "64Gi" });
     if k.is_multiple_of(2) {
         limits["nvidia.com/mig-1g.10gb"] = json!("1");
@@ -79,8 +113,15 @@ pub fn pod(i: u64, k: u64, generation: u64) -> BoxResult<Pod> {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": format!("{job}-x7k2p"),
+            "name": pod_name(i, k, generation),
             "namespace": NAMESPACE,
+            "ownerReferences": [{
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "name": job,
+                "uid": job_uid,
+                "blockOwnerDeletion": true,
+            }],
             "labels": {
                 LABEL: "true",
                 KEEP_RUNNING_LABEL: "true",
