@@ -288,8 +288,8 @@ fn main() -> BoxResult<()> {
     let each_pod = (0..n).flat_map(|i| (0..per_node).map(move |k| (i, k)));
     let pods = held::<CachedPod, _>(
         each_pod.map(|(i, k)| -> BoxResult<(u64, Pod)> {
-            // The UID the API server would have given node `i`'s Job.
-            let job_uid = format!("5f0c2a1e-3b4d-4c6e-9a8b-{i:012}");
+            // The UID the API server would have given the Job of node `i`'s pods.
+            let job_uid = format!("5f0c2a1e-3b4d-4c6e-9a8b-{:012}", shapes::job_of(i));
             Ok((i * per_node + k, pod(i, k, 0, &job_uid)?))
         }),
         |(uid, pod)| running(pod, uid),

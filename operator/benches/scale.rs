@@ -48,7 +48,9 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use shapes::{BoxResult, LABEL, NAMESPACE, POOL, gpu_holders, node, pod, pod_name};
+use shapes::{
+    BoxResult, LABEL, NAMESPACE, NODES_PER_JOB, POOL, gpu_holders, job_of, node, pod, pod_name,
+};
 
 mod shapes;
 
@@ -145,14 +147,14 @@ async fn create_pods(api: &Api<Pod>, pods: Vec<Pod>) -> BoxResult<()> {
     Ok(())
 }
 
-/// Creates node `i`'s Job for each of `nodes` nodes, 32 requests in flight, and returns their
-/// UIDs by node; a Job that exists already is read back.
+/// Creates the Jobs that own `nodes` nodes' pods, 32 requests in flight, and returns their
+/// UIDs in order; a Job that exists already is read back.
 async fn create_jobs(api: &Api<Job>, nodes: u64) -> BoxResult<Vec<String>> {
-    stream::iter(0..nodes)
-        .map(|i| {
+    stream::iter(0..nodes.div_ceil(NODES_PER_JOB))
+        .map(|j| {
             let api = api.clone();
             async move {
-                let job: Job = serde_json::from_value(shapes::job(i))?;
+                let job: Job = serde_json::from_value(shapes::job(j))?;
                 let made = match api.create(&PostParams::default(), &job).await {
                     Ok(made) => made,
                     Err(kube::Error::Api(s)) if s.code == 409 => api.get(&job.name_any()).await?,
@@ -167,11 +169,11 @@ async fn create_jobs(api: &Api<Job>, nodes: u64) -> BoxResult<Vec<String>> {
         .await
 }
 
-/// The UID of node `i`'s Job.
+/// The UID of the Job that owns node `i`'s pods.
 fn job_uid(uids: &[String], i: u64) -> BoxResult<&str> {
-    usize::try_from(i)
+    usize::try_from(job_of(i))
         .ok()
-        .and_then(|i| uids.get(i))
+        .and_then(|j| uids.get(j))
         .map(String::as_str)
         .ok_or_else(|| format!("no Job for node {i}").into())
 }
@@ -564,7 +566,8 @@ async fn main() -> BoxResult<()> {
     let started = Instant::now();
     let job_uids = create_jobs(&Api::namespaced(client.clone(), NAMESPACE), n).await?;
     println!(
-        "{n} Jobs (one per node, suspended) created in {:.1} s",
+        "{} Jobs ({NODES_PER_JOB} nodes' pods each, suspended) created in {:.1} s",
+        job_uids.len(),
         started.elapsed().as_secs_f64()
     );
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);

@@ -63,17 +63,28 @@ pub const KEEP_RUNNING_LABEL: &str = "e2e.gpupool.io/keep-running";
 /// The namespace of the bench's pods.
 pub const NAMESPACE: &str = "scale-bench";
 
-/// The training Job whose pods run on node `i`: created suspended, so that it starts no pods
-/// of its own; it is there so that its pods' owner exists, as the garbage collector requires.
+/// How many nodes' pods one training Job owns: a Job of 800 pods, as large training runs are.
+/// Fewer, larger Jobs also spare the bench's kube-controller-manager: its Job controller looks
+/// for an owner of each pod event among all the namespace's Jobs, which at one Job a node kept
+/// it at a full core through the 5,000-node run.
+pub const NODES_PER_JOB: u64 = 100;
+
+/// Which Job owns node `i`'s pods.
+pub fn job_of(i: u64) -> u64 {
+    i / NODES_PER_JOB
+}
+
+/// Training Job `j`: created suspended, so that it starts no pods of its own; it is there so
+/// that its pods' owner exists, as the garbage collector requires.
 #[allow(
     dead_code,
     reason = "cache_bytes needs only the Job's UID, not the Job"
 )]
-pub fn job(i: u64) -> serde_json::Value {
+pub fn job(j: u64) -> serde_json::Value {
     json!({
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": { "name": job_name(i), "namespace": NAMESPACE, "labels": { LABEL: "true" } },
+        "metadata": { "name": job_name(j), "namespace": NAMESPACE, "labels": { LABEL: "true" } },
         "spec": {
             "suspend": true,
             "template": {
@@ -86,17 +97,17 @@ pub fn job(i: u64) -> serde_json::Value {
     })
 }
 
-fn job_name(i: u64) -> String {
-    format!("train-{i:05}")
+fn job_name(j: u64) -> String {
+    format!("train-{j:03}")
 }
 
 /// The name of pod `k` of node `i` in generation `generation`.
 pub fn pod_name(i: u64, k: u64, generation: u64) -> String {
-    format!("{}-{k}-{generation}-x7k2p", job_name(i))
+    format!("train-{i:05}-{k}-{generation}-x7k2p")
 }
 
 /// Pod `k` of node `i` in generation `generation` (churn makes new generations): a pod of the
-/// node's training Job (UID `job_uid`), shaped as a Job controller and the API server's
+/// node's training Job ([`job_of`], UID `job_uid`), shaped as a Job controller and the API server's
 /// admission leave one (owner reference, labels, env, volumes, a service account token),
 /// bound to its node; even `k` hold one 1g.10gb MIG device, odd ones are CPU-only
 /// sidecar-style workers, so half the pods hold GPUs. The owner reference is not marked
@@ -104,7 +115,7 @@ pub fn pod_name(i: u64, k: u64, generation: u64) -> String {
 /// bench's cluster would otherwise adopt the pods and, its Job suspended, delete them. Neither
 /// changes what the operator keeps of a pod.
 pub fn pod(i: u64, k: u64, generation: u64, job_uid: &str) -> BoxResult<Pod> {
-    let job = job_name(i);
+    let job = job_name(job_of(i));
     let mut limits = json!({ "cpu": "8", "memory": "64Gi" });
     if k.is_multiple_of(2) {
         limits["nvidia.com/mig-1g.10gb"] = json!("1");
