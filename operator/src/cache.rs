@@ -1016,6 +1016,7 @@ mod tests {
             &cb.meta.owner_references.as_deref().unwrap()[0],
         );
         assert!(Arc::ptr_eq(&owner_a.kind, &owner_b.kind));
+        assert!(matches!(owner_a.uid, Uid::Uuid(_)));
         assert!(Arc::ptr_eq(&owner_a.api_version, &owner_b.api_version));
         // The API server copies limits into requests: one shared map serves both.
         let (limits, requests) = sa.containers[0].resources.as_ref().unwrap();

@@ -66,6 +66,9 @@ impl Interner {
                 slot.insert(Arc::clone(&fresh));
                 if strings.len() >= *sweep_at {
                     strings.retain(|held| Arc::strong_count(held) > 1);
+                    // A sweep walks the table's capacity: after a burst of strings since
+                    // forgotten, give the room back so later sweeps stay short.
+                    strings.shrink_to_fit(|held| hasher.hash_one(&**held));
                     *sweep_at = (strings.len() * 2).max(MIN_SWEEP_AT);
                 }
                 fresh

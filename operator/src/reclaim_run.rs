@@ -697,28 +697,42 @@ mod tests {
 
     #[test]
     fn a_pods_job_siblings_are_the_other_unfinished_pods_of_its_job_and_namespace() {
-        let pods = [
-            job_pod("ml", "a", Some("j1"), false),
-            job_pod("ml", "b", Some("j1"), false),
-            job_pod("ml", "c", Some("j1"), true),
-            job_pod("other", "d", Some("j1"), false),
-            job_pod("ml", "e", Some("j2"), false),
-            job_pod("ml", "f", None, false),
-        ];
-        let all: Vec<Arc<CachedPod>> = pods
-            .iter()
-            .map(|p| Arc::new(CachedPod::from(p.clone())))
-            .collect();
-        let jobs = JobPods::gather(&all);
-        // b is a's sibling; c is on its way out, d in another namespace, e of another Job.
-        assert_eq!(jobs.siblings(&pods[0]), 1);
-        assert_eq!(jobs.siblings(&pods[1]), 1);
-        // A pod being deleted still has its Job's unfinished pods as siblings.
-        assert_eq!(jobs.siblings(&pods[2]), 2);
-        assert_eq!(jobs.siblings(&pods[3]), 0);
-        assert_eq!(jobs.siblings(&pods[4]), 0);
-        assert_eq!(jobs.siblings(&pods[5]), 0);
-        // A pod the snapshot does not hold yet counts every unfinished pod of its Job.
-        assert_eq!(jobs.siblings(&job_pod("ml", "new", Some("j1"), false)), 2);
+        // UIDs of any form, and the RFC 4122 form the API server hands out, which the cache
+        // holds as numbers.
+        for (j1, j2) in [
+            ("j1", "j2"),
+            (
+                "0c6f3a52-9d1e-4b7a-8f21-000000000001",
+                "0c6f3a52-9d1e-4b7a-8f21-000000000002",
+            ),
+        ] {
+            let pods = [
+                job_pod("ml", "a", Some(j1), false),
+                job_pod("ml", "b", Some(j1), false),
+                job_pod("ml", "c", Some(j1), true),
+                job_pod("other", "d", Some(j1), false),
+                job_pod("ml", "e", Some(j2), false),
+                job_pod("ml", "f", None, false),
+            ];
+            let all: Vec<Arc<CachedPod>> = pods
+                .iter()
+                .map(|p| Arc::new(CachedPod::from(p.clone())))
+                .collect();
+            let jobs = JobPods::gather(&all);
+            // b is a's sibling; c is on its way out, d in another namespace, e of another Job.
+            assert_eq!(jobs.siblings(&pods[0]), 1, "{j1}");
+            assert_eq!(jobs.siblings(&pods[1]), 1, "{j1}");
+            // A pod being deleted still has its Job's unfinished pods as siblings.
+            assert_eq!(jobs.siblings(&pods[2]), 2, "{j1}");
+            assert_eq!(jobs.siblings(&pods[3]), 0, "{j1}");
+            assert_eq!(jobs.siblings(&pods[4]), 0, "{j1}");
+            assert_eq!(jobs.siblings(&pods[5]), 0, "{j1}");
+            // A pod the snapshot does not hold yet counts every unfinished pod of its Job.
+            assert_eq!(
+                jobs.siblings(&job_pod("ml", "new", Some(j1), false)),
+                2,
+                "{j1}"
+            );
+        }
     }
 }
