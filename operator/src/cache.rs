@@ -143,6 +143,11 @@ pub fn pod_key(namespace: &str, name: &str) -> String {
     format!("{namespace}/{name}")
 }
 
+/// Whether an owner reference's API version and kind name a Job (of any `batch/` version).
+pub fn is_job_owner(api_version: &str, kind: &str) -> bool {
+    kind == "Job" && api_version.starts_with("batch/")
+}
+
 /// What the operator keeps of a pod: [`trim_pod`]'s cut, stored flat. The pod watch
 /// deserializes into it (a `Pod` first, folded at once, see [`WatchedPod`]), so a pod costs
 /// the cache a few strings: its metadata is a handful of fields, not an `ObjectMeta` (344
@@ -248,11 +253,6 @@ impl CachedOwner {
             block_owner_deletion: self.block_owner_deletion,
         }
     }
-
-    /// Whether this owner is a Job (of any `batch/` version).
-    fn is_job(&self) -> bool {
-        &*self.kind == "Job" && self.api_version.starts_with("batch/")
-    }
 }
 
 impl From<ObjectMeta> for PodMeta {
@@ -330,21 +330,28 @@ pub struct PackedMap<S = Box<str>>(S);
 
 const SEP: char = '\0';
 
+/// `entries` laid out as a [`PackedMap`] holds them.
+fn packed<'a>(entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut s = String::new();
+    for (k, v) in entries {
+        s.push_str(k);
+        s.push(SEP);
+        s.push_str(v);
+        s.push(SEP);
+    }
+    s
+}
+
 impl PackedMap {
     fn pack<'a>(entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
-        let mut s = String::new();
-        for (k, v) in entries {
-            s.push_str(k);
-            s.push(SEP);
-            s.push_str(v);
-            s.push(SEP);
-        }
-        PackedMap(s.into_boxed_str())
+        PackedMap(packed(entries).into_boxed_str())
     }
+}
 
-    /// The shared copy of this map ([`crate::intern`]).
-    fn interned(&self) -> PackedMap<Arc<str>> {
-        PackedMap(intern(&self.0))
+impl PackedMap<Arc<str>> {
+    /// The shared copy ([`crate::intern`]) of the map of `entries`.
+    fn interned<'a>(entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
+        PackedMap(intern(&packed(entries)))
     }
 }
 
@@ -371,7 +378,7 @@ impl From<Pod> for CachedPod {
             .take()
             .map(|l| PackedMap::pack(l.iter().map(|(k, v)| (k.as_str(), v.as_str()))));
         let pack_quantities = |m: Option<BTreeMap<String, Quantity>>| {
-            m.map(|m| PackedMap::pack(m.iter().map(|(k, v)| (k.as_str(), v.0.as_str()))).interned())
+            m.map(|m| PackedMap::interned(m.iter().map(|(k, v)| (k.as_str(), v.0.as_str()))))
         };
         let spec = pod.spec.map(|s| {
             let unbound =
@@ -480,7 +487,7 @@ impl CachedPod {
             .owner_references
             .iter()
             .flatten()
-            .find(|o| o.is_job())
+            .find(|o| is_job_owner(&o.api_version, &o.kind))
             .map(|o| &o.uid)
     }
 

@@ -292,7 +292,7 @@ pub fn pod_start(pod: &Pod) -> Option<Timestamp> {
 pub fn job_owner(pod: &Pod) -> Option<String> {
     pod.owner_references()
         .iter()
-        .find(|o| o.kind == "Job" && o.api_version.starts_with("batch/"))
+        .find(|o| crate::cache::is_job_owner(&o.api_version, &o.kind))
         .map(|o| o.name.clone())
 }
 

@@ -173,7 +173,7 @@ impl<'a> JobPods<'a> {
 fn job_uid(owners: &[OwnerReference]) -> Option<&str> {
     owners
         .iter()
-        .find(|o| o.kind == "Job" && o.api_version.starts_with("batch/"))
+        .find(|o| crate::cache::is_job_owner(&o.api_version, &o.kind))
         .map(|o| o.uid.as_str())
 }
 
