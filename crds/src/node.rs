@@ -37,11 +37,13 @@ pub struct GpuNodeSpec {
 
     /// Driver requirements and checks.
     #[serde(default)]
-    pub driver: DriverPolicy,
+    // Shared like `mig`: every node of a pool carries the pool's copy.
+    pub driver: Arc<DriverPolicy>,
 
     /// CDI spec options.
     #[serde(default)]
-    pub cdi: CdiPolicy,
+    // Shared like `mig`.
+    pub cdi: Arc<CdiPolicy>,
 
     /// The MIG layout resolved for this node's GPUs.
     #[serde(default)]

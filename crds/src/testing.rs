@@ -2,9 +2,12 @@
 //! bench, the e2e tests), so they agree on what a healthy node looks like. Behind the
 //! `testing` feature: only dev-dependencies enable it.
 
+use k8s_openapi::jiff::Timestamp;
+
+use crate::conditions::{Observed, condition};
 use crate::node::{
-    Activity, CdiStatus, CheckName, CheckResult, GpuNode, GpuNodeStatus, GpuStatus, Health,
-    Idleness, MigDeviceStatus, MigState, NodeMigStatus, PodRef, Verdict,
+    Activity, CDI_SPEC_READY, CdiStatus, CheckName, CheckResult, GpuNode, GpuNodeStatus, GpuStatus, Health,
+    Idleness, MigDeviceStatus, MigState, NodeMigStatus, PodRef, Verdict, FOREIGN_DEVICE_PLUGIN,
 };
 
 /// The status a node agent reports for `gn` when all is well: 8 healthy GPUs, driver
@@ -40,8 +43,9 @@ pub fn healthy_status(gn: &GpuNode) -> GpuNodeStatus {
 
 /// What an agent reports for `gn` on a busy 8 × H100 node split into seven `1g.10gb` MIG
 /// devices per GPU: [`healthy_status`] with every GPU and MIG device listed (UUIDs, CDI names,
-/// PCI bus IDs), the driver checks, and `pods` (namespace, name) placed one per MIG device in
-/// order, busy. The scale bench reports it for every node.
+/// PCI bus IDs), the driver checks, the conditions an agent sets on a node that is well
+/// (PodResources answering, the CDI spec current, no other device plugin), and `pods`
+/// (namespace, name) placed one per MIG device in order, busy. The scale bench reports it for every node.
 pub fn mig_node_status(gn: &GpuNode, pods: &[(String, String)]) -> GpuNodeStatus {
     let node = gn.metadata.name.clone().unwrap_or_default();
     let mut holders = pods.iter();
@@ -73,6 +77,43 @@ pub fn mig_node_status(gn: &GpuNode, pods: &[(String, String)]) -> GpuNodeStatus
         name,
         passed: true,
         message,
+    })
+    .collect();
+    let since = Timestamp::from_second(1_796_000_000).unwrap_or(Timestamp::UNIX_EPOCH);
+    status.conditions = [
+        (
+            CDI_SPEC_READY,
+            true,
+            "SpecCurrent",
+            "/var/run/cdi/gpupool-nvidia.yaml is as the agent wrote it and no other spec claims \
+             its devices",
+        ),
+        (
+            FOREIGN_DEVICE_PLUGIN,
+            false,
+            "NoneFound",
+            "no other device plugin serves NVIDIA resources on this node",
+        ),
+        (
+            "PodResourcesAvailable",
+            true,
+            "Listed",
+            "the kubelet PodResources API answers",
+        ),
+    ]
+    .into_iter()
+    .map(|(type_, ok, reason, message)| {
+        condition(
+            &[],
+            Observed {
+                type_,
+                status: ok,
+                reason,
+                message: message.to_owned(),
+                observed_generation: gn.metadata.generation,
+            },
+            since,
+        )
     })
     .collect();
     status.cdi = Some(CdiStatus {

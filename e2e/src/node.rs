@@ -112,7 +112,7 @@ impl GpuNodeHost {
                 driver: DriverPolicy {
                     min_version: Some("550".into()),
                     ..DriverPolicy::default()
-                },
+                }.into(),
                 cdi: Default::default(),
                 mig: mig.into(),
                 utilization: UtilizationSpec {

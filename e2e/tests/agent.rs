@@ -255,7 +255,7 @@ fn base_spec(pool: &str) -> GpuNodeSpec {
             min_version: Some("550".into()),
             cuda_version: Some("12.4".into()),
             ..DriverPolicy::default()
-        },
+        }.into(),
         cdi: Default::default(),
         mig: Default::default(),
         utilization: UtilizationSpec {
@@ -696,7 +696,7 @@ async fn agent_reports_failed_validation_with_message_and_event() -> Result<()> 
         "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05\n",
     )?;
     let mut spec = base_spec(scope.prefix());
-    spec.driver.min_version = Some("550.54.15".into());
+    Arc::make_mut(&mut spec.driver).min_version = Some("550.54.15".into());
     fresh_gpunode(&client, &scope, &node, spec).await?;
     let agent = Agent::start(cluster, &host, Backend::Sim, &[])?;
 
@@ -859,7 +859,7 @@ async fn agent_applies_mig_layout_and_completes_it_after_kill_9() -> Result<()> 
     let host = NodeHost::new(&scope, &node, &fixture, 2)?;
     let mut spec = base_spec(scope.prefix());
     std::sync::Arc::make_mut(&mut spec.mig).strategy = MigStrategy::Mixed;
-    spec.cdi.device_name_strategies =
+    Arc::make_mut(&mut spec.cdi).device_name_strategies =
         vec![CdiDeviceNameStrategy::Index, CdiDeviceNameStrategy::Uuid];
     fresh_gpunode(&client, &scope, &node, spec).await?;
 

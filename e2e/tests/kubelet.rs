@@ -683,7 +683,7 @@ async fn real_kubelet_admits_gpu_pods_through_the_plugin() -> Result<()> {
                 min_version: Some("550".into()),
                 cuda_version: Some("12.4".into()),
                 ..DriverPolicy::default()
-            },
+            }.into(),
             cdi: Default::default(),
             mig: layout("1g.10gb", 3).into(),
             utilization: UtilizationSpec {

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use gpupool_crds::testing::mig_node_status;
 use gpupool_crds::{GpuNode, GpuPool};
-use gpupool_operator::cache::{CachedNode, CachedPod, SharedLayouts, keep_pod};
+use gpupool_operator::cache::{CachedNode, CachedPod, SharedSpecs, keep_pod};
 use gpupool_operator::pool::desired_gpunode;
 use gpupool_operator::store::Writer;
 use k8s_openapi::api::core::v1::Pod;
@@ -268,8 +268,8 @@ fn main() -> BoxResult<()> {
             Ok(serde_json::to_vec(&stored(&gn, i)?)?)
         },
         {
-            let mut layouts = SharedLayouts::default();
-            move |gn| layouts.trim(gn)
+            let mut shared = SharedSpecs::default();
+            move |gn| shared.trim(gn)
         },
         |_| true,
     )?;

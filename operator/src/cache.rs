@@ -18,12 +18,14 @@
 //!   devices no pod holds, and the healthy GPUs nothing holds: the operator reads a GPU or MIG
 //!   device only for its holders (reclaim, drain, GPU-time accounting) or, unhealthy, to name
 //!   it; GPU counts come from the agent's totals; the holders' container names, the CDI
-//!   spec's path and the CUDA version are not read either. Of the metadata, the UID,
+//!   spec's path, the CUDA version and the agent's conditions but a CDI spec that is not
+//!   ready are not read either. Of the metadata, the UID,
 //!   resource version and owners' names go (owners are compared by UID), and the usual
 //!   labels, the pool label alone, are folded into an empty map ([`gpunode_pool`] reads it).
 //!   The spec is kept whole: it is what the operator compares its desired state with. Its MIG
-//!   layout, most of a spec's bytes, is shared ([`SharedLayouts`]): nodes of one kind carry
-//!   equal layouts, and the cache keeps one copy of each.
+//!   layout, most of a spec's bytes, and its driver and CDI policies are shared
+//!   ([`SharedSpecs`]): nodes of one kind carry equal layouts, a pool's nodes equal policies,
+//!   and the cache keeps one copy of each.
 //!
 //! The operator never writes an object back from these copies: its writes are server-side
 //! applies of its own fields and merge patches of annotations.
@@ -35,7 +37,8 @@ use std::sync::{Arc, Weak};
 
 use gpupool_crds::GpuNode;
 use gpupool_crds::labels::POOL_LABEL;
-use gpupool_crds::node::{Health, NodeMigSpec};
+use gpupool_crds::node::{CDI_SPEC_READY, Health, NodeMigSpec};
+use gpupool_crds::policy::{CdiPolicy, DriverPolicy};
 use k8s_openapi::api::core::v1::{
     Affinity, Container, Node, Pod, PodSpec, PodStatus, ResourceRequirements, Taint, Toleration,
 };
@@ -770,9 +773,15 @@ pub fn trim_gpunode(gn: &mut GpuNode) {
         return;
     };
     status.cuda_version = None;
-    // The pool reads the failed checks only.
+    // The pool reads the failed checks only, and of the agent's conditions a CDI spec that is
+    // not ready (the others, PodResources answering and no foreign device plugin found, are
+    // for the admin reading the GpuNode).
     status.checks.retain(|c| !c.passed);
     status.checks.shrink_to_fit();
+    status
+        .conditions
+        .retain(|c| c.type_ == CDI_SPEC_READY && c.status == "False");
+    status.conditions.shrink_to_fit();
     if let Some(cdi) = status.cdi.as_mut() {
         cdi.digest = String::new();
         cdi.path = String::new();
@@ -817,44 +826,67 @@ pub fn gpunode_pool(gn: &GpuNode) -> Option<&str> {
     }
 }
 
-/// The MIG layouts the GpuNode cache holds, one copy of each: thousands of nodes of a few
-/// kinds carry a few distinct layouts, each about 3 KiB (a profile map per GPU), which every
-/// GpuNode would otherwise hold a copy of. Layouts no cached GpuNode holds any more are
-/// forgotten.
+/// The parts of GpuNode specs the cache holds one copy of: thousands of nodes of a few kinds
+/// carry a few distinct MIG layouts (each about 3 KiB, a profile map per GPU), and every node
+/// of a pool carries the pool's driver and CDI policies, which every GpuNode would otherwise
+/// hold a copy of. Parts no cached GpuNode holds any more are forgotten.
 #[derive(Debug, Default)]
-pub struct SharedLayouts {
-    held: Vec<Weak<NodeMigSpec>>,
+pub struct SharedSpecs {
+    layouts: Shared<NodeMigSpec>,
+    drivers: Shared<DriverPolicy>,
+    cdi: Shared<CdiPolicy>,
 }
 
-impl SharedLayouts {
-    /// [`trim_gpunode`], then points the GpuNode's layout at the copy already held of an equal
-    /// one, or holds it as the first of its kind. For the GpuNode watch, before the store.
+impl SharedSpecs {
+    /// [`trim_gpunode`], then points the GpuNode's MIG layout, driver policy and CDI policy at
+    /// the copies already held of equal ones, or holds them as the first of their kind. For the
+    /// GpuNode watch, before the store.
     pub fn trim(&mut self, gn: &mut GpuNode) {
         trim_gpunode(gn);
-        self.share(&mut gn.spec.mig);
+        self.layouts.share(&mut gn.spec.mig);
+        self.drivers.share(&mut gn.spec.driver);
+        self.cdi.share(&mut gn.spec.cdi);
     }
 
-    fn share(&mut self, layout: &mut Arc<NodeMigSpec>) {
+    /// How many distinct MIG layouts are held.
+    pub fn layouts(&self) -> usize {
+        self.layouts.len()
+    }
+
+    /// How many distinct driver and CDI policies are held.
+    pub fn policies(&self) -> (usize, usize) {
+        (self.drivers.len(), self.cdi.len())
+    }
+}
+
+/// One copy of each distinct value of `T` that something still holds.
+#[derive(Debug)]
+struct Shared<T> {
+    held: Vec<Weak<T>>,
+}
+
+impl<T> Default for Shared<T> {
+    fn default() -> Self {
+        Self { held: Vec::new() }
+    }
+}
+
+impl<T: PartialEq> Shared<T> {
+    fn share(&mut self, value: &mut Arc<T>) {
         self.held.retain(|h| h.strong_count() > 0);
         match self
             .held
             .iter()
             .filter_map(Weak::upgrade)
-            .find(|h| **h == **layout)
+            .find(|h| **h == **value)
         {
-            Some(same) => *layout = same,
-            None => self.held.push(Arc::downgrade(layout)),
+            Some(same) => *value = same,
+            None => self.held.push(Arc::downgrade(value)),
         }
     }
 
-    /// How many distinct layouts are held.
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.held.iter().filter(|h| h.strong_count() > 0).count()
-    }
-
-    /// Whether no layout is held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -1368,6 +1400,21 @@ mod tests {
         }
         assert_eq!(a.gpus[0].mig_devices.len(), 1);
         assert_eq!(gn.spec, full.spec);
+        assert_eq!(b.conditions.len(), 3, "the agent's usual conditions");
+        assert!(a.conditions.is_empty(), "none the pool reads: {:?}", a.conditions);
+
+        // A CDI spec that is not ready is kept, message and all: the pool reports it.
+        let mut not_ready = full.clone();
+        let conditions = &mut not_ready.status.as_mut().unwrap().conditions;
+        let cdi = conditions
+            .iter_mut()
+            .find(|c| c.type_ == CDI_SPEC_READY)
+            .unwrap();
+        cdi.status = "False".into();
+        cdi.message = "/var/run/cdi/gpupool-nvidia.yaml was edited by hand".into();
+        let expected = cdi.clone();
+        trim_gpunode(&mut not_ready);
+        assert_eq!(not_ready.status.unwrap().conditions, [expected]);
     }
 
     /// An idleness as the pool reads it: activity, idle time and the holders by namespace and
@@ -1486,7 +1533,7 @@ mod tests {
 
     #[test]
     fn gpunodes_of_one_layout_share_one_copy() {
-        let mut layouts = SharedLayouts::default();
+        let mut specs = SharedSpecs::default();
         let (mut a, mut b, mut c) = (
             decoded("n1", layout("1g.10gb", 7)),
             decoded("n2", layout("1g.10gb", 7)),
@@ -1495,28 +1542,57 @@ mod tests {
         assert!(!Arc::ptr_eq(&a.spec.mig, &b.spec.mig));
         let b_before = b.clone();
         for gn in [&mut a, &mut b, &mut c] {
-            layouts.trim(gn);
+            specs.trim(gn);
         }
         assert!(Arc::ptr_eq(&a.spec.mig, &b.spec.mig));
         assert!(!Arc::ptr_eq(&a.spec.mig, &c.spec.mig));
         assert_eq!(b.spec, b_before.spec, "sharing changes no value");
-        assert_eq!(layouts.len(), 2);
+        assert_eq!(specs.layouts(), 2);
         // A layout no GpuNode holds any more is let go; an edited one is a new layout.
         drop(c);
-        assert_eq!(layouts.len(), 1);
+        assert_eq!(specs.layouts(), 1);
         let mut d = decoded("n4", layout("1g.10gb", 7));
         Arc::make_mut(&mut d.spec.mig).managed = false;
-        layouts.trim(&mut d);
+        specs.trim(&mut d);
         assert!(!Arc::ptr_eq(&a.spec.mig, &d.spec.mig));
-        assert_eq!(layouts.len(), 2);
+        assert_eq!(specs.layouts(), 2);
+    }
+
+    #[test]
+    fn gpunodes_of_one_pool_share_its_driver_and_cdi_policies() {
+        let mut specs = SharedSpecs::default();
+        let (mut a, mut b, mut c) = (
+            decoded("n1", layout("1g.10gb", 7)),
+            decoded("n2", layout("3g.40gb", 2)),
+            decoded("n3", layout("1g.10gb", 7)),
+        );
+        // Another pool's policies: a driver minimum and another spec directory.
+        Arc::make_mut(&mut c.spec.driver).min_version = Some("550".into());
+        Arc::make_mut(&mut c.spec.cdi).spec_dir = "/etc/cdi".into();
+        assert!(!Arc::ptr_eq(&a.spec.driver, &b.spec.driver));
+        let before = [a.clone(), b.clone(), c.clone()];
+        for gn in [&mut a, &mut b, &mut c] {
+            specs.trim(gn);
+        }
+        assert!(Arc::ptr_eq(&a.spec.driver, &b.spec.driver));
+        assert!(Arc::ptr_eq(&a.spec.cdi, &b.spec.cdi));
+        assert!(!Arc::ptr_eq(&a.spec.driver, &c.spec.driver));
+        assert!(!Arc::ptr_eq(&a.spec.cdi, &c.spec.cdi));
+        for (after, before) in [&a, &b, &c].into_iter().zip(&before) {
+            assert_eq!(after.spec, before.spec, "sharing changes no value");
+        }
+        assert_eq!(specs.policies(), (2, 2));
+        // `before` holds c's policies too (a clone shares them).
+        drop((c, before));
+        assert_eq!(specs.policies(), (1, 1));
     }
 
     #[test]
     fn a_shared_layout_is_trimmed_like_any_gpunode() {
-        let mut layouts = SharedLayouts::default();
+        let mut specs = SharedSpecs::default();
         let mut shared = decoded("n1", layout("1g.10gb", 7));
         let mut plain = shared.clone();
-        layouts.trim(&mut shared);
+        specs.trim(&mut shared);
         trim_gpunode(&mut plain);
         assert_eq!(
             (&shared.metadata, &shared.spec, &shared.status),

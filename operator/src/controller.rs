@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::cache::{
-    CachedNode, CachedPod, SharedLayouts, WatchedNode, WatchedPod, cached_event, keep_pod,
+    CachedNode, CachedPod, SharedSpecs, WatchedNode, WatchedPod, cached_event, keep_pod,
 };
 use crate::context::{Context, FIELD_MANAGER, GPUNODE_LIST_PAGE, InitialList, LIST_PAGE, Settings};
 use crate::error::{Error, Failures, Result};
@@ -734,12 +734,12 @@ pub async fn run(
     let liveness = Arc::new(Liveness::default());
     let seen = liveness.clone();
     // Heartbeats are timed as the watch delivers them (see crate::liveness).
-    let mut layouts = SharedLayouts::default();
+    let mut shared = SharedSpecs::default();
     let gn_stream = watcher(
         gn_api,
         watcher_config(settings.initial_list, GPUNODE_LIST_PAGE),
     )
-    .modify(move |gn| layouts.trim(gn))
+    .modify(move |gn| shared.trim(gn))
     .inspect_ok(move |ev| gn_writer.apply_watcher_event(ev))
     .default_backoff()
     .inspect_err(watch_failed("GpuNode"))

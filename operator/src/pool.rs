@@ -229,8 +229,8 @@ fn resolve_spec(pool: &GpuPool, node_labels: &BTreeMap<String, String>) -> Resol
     let (mig, problem) = layout::resolve(&pool.spec.mig, &NodeGpus::from_labels(node_labels));
     let spec = GpuNodeSpec {
         pool: pool.name_any(),
-        driver: pool.spec.driver.clone(),
-        cdi: pool.spec.cdi.clone(),
+        driver: Arc::new(pool.spec.driver.clone()),
+        cdi: Arc::new(pool.spec.cdi.clone()),
         mig: Arc::new(mig),
         utilization: UtilizationSpec {
             idle_threshold: pool.spec.reclaim.idle_threshold,
