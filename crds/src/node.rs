@@ -392,7 +392,7 @@ pub enum Activity {
 #[serde(rename_all = "camelCase")]
 pub struct PodRef {
     /// Namespace.
-    pub namespace: String,
+    pub namespace: Arc<str>,
     /// Name.
     pub name: String,
     /// Container.
@@ -424,7 +424,7 @@ pub struct GpuStatus {
     /// `GPU-…` UUID.
     pub uuid: String,
     /// Product name, e.g. `NVIDIA H100 80GB HBM3`.
-    pub model: String,
+    pub model: Arc<str>,
     /// Memory in MiB.
     pub memory_mib: u64,
     /// PCI bus id, e.g. `0000:17:00.0`.
@@ -473,7 +473,7 @@ pub struct MigDeviceStatus {
     /// `MIG-…` UUID.
     pub uuid: String,
     /// Profile, e.g. `1g.10gb`.
-    pub profile: String,
+    pub profile: Arc<str>,
     /// GPU instance id.
     pub gpu_instance: u32,
     /// Compute instance id.

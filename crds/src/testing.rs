@@ -6,8 +6,9 @@ use k8s_openapi::jiff::Timestamp;
 
 use crate::conditions::{Observed, condition};
 use crate::node::{
-    Activity, CDI_SPEC_READY, CdiStatus, CheckName, CheckResult, GpuNode, GpuNodeStatus, GpuStatus, Health,
-    Idleness, MigDeviceStatus, MigState, NodeMigStatus, PodRef, Verdict, FOREIGN_DEVICE_PLUGIN,
+    Activity, CDI_SPEC_READY, CdiStatus, CheckName, CheckResult, FOREIGN_DEVICE_PLUGIN, GpuNode,
+    GpuNodeStatus, GpuStatus, Health, Idleness, MigDeviceStatus, MigState, NodeMigStatus, PodRef,
+    Verdict,
 };
 
 /// The status a node agent reports for `gn` when all is well: 8 healthy GPUs, driver
@@ -134,7 +135,7 @@ pub fn mig_node_status(gn: &GpuNode, pods: &[(String, String)]) -> GpuNodeStatus
                     let held: Vec<PodRef> = holders
                         .next()
                         .map(|(namespace, name)| PodRef {
-                            namespace: namespace.clone(),
+                            namespace: namespace.as_str().into(),
                             name: name.clone(),
                             container: Some("trainer".into()),
                         })

@@ -67,7 +67,7 @@ pub async fn list_pod_devices(
                     let device = match id.split_once(crate::plugin::sharing::REPLICA_SEPARATOR) {
                         Some((device, _)) => {
                             out.entry(id.clone()).or_default().push(PodRef {
-                                namespace: pod.namespace.clone(),
+                                namespace: pod.namespace.as_str().into(),
                                 name: pod.name.clone(),
                                 container: Some(container.name.clone()),
                             });
@@ -77,7 +77,7 @@ pub async fn list_pod_devices(
                     };
                     let holders = out.entry(device).or_default();
                     let r = PodRef {
-                        namespace: pod.namespace.clone(),
+                        namespace: pod.namespace.as_str().into(),
                         name: pod.name.clone(),
                         container: Some(container.name.clone()),
                     };

@@ -112,7 +112,8 @@ impl GpuNodeHost {
                 driver: DriverPolicy {
                     min_version: Some("550".into()),
                     ..DriverPolicy::default()
-                }.into(),
+                }
+                .into(),
                 cdi: Default::default(),
                 mig: mig.into(),
                 utilization: UtilizationSpec {

@@ -255,7 +255,8 @@ fn base_spec(pool: &str) -> GpuNodeSpec {
             min_version: Some("550".into()),
             cuda_version: Some("12.4".into()),
             ..DriverPolicy::default()
-        }.into(),
+        }
+        .into(),
         cdi: Default::default(),
         mig: Default::default(),
         utilization: UtilizationSpec {
@@ -956,11 +957,7 @@ async fn agent_applies_mig_layout_and_completes_it_after_kill_9() -> Result<()> 
     let status = gn.status.unwrap_or_default();
     let gpu0 = &status.gpus[0];
     ensure!(gpu0.mig_enabled);
-    let profiles: Vec<&str> = gpu0
-        .mig_devices
-        .iter()
-        .map(|m| m.profile.as_str())
-        .collect();
+    let profiles: Vec<&str> = gpu0.mig_devices.iter().map(|m| &*m.profile).collect();
     ensure!(profiles == ["1g.10gb"; 7], "{profiles:?}");
     let mut gis: Vec<u32> = gpu0.mig_devices.iter().map(|m| m.gpu_instance).collect();
     gis.sort();

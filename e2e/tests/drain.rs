@@ -154,7 +154,7 @@ async fn draining_node_loses_its_gpu_pods_through_evictions_that_respect_pdbs() 
         index: 7,
         idleness: Idleness {
             pods: vec![PodRef {
-                namespace: ns.to_owned(),
+                namespace: ns.into(),
                 name: "kept".into(),
                 container: Some("main".into()),
             }],

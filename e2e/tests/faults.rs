@@ -90,7 +90,7 @@ async fn the_operator_rides_out_an_api_server_restart() -> Result<()> {
                     .unwrap_or(Timestamp::UNIX_EPOCH),
             )),
             pods: vec![PodRef {
-                namespace: scope.namespace().to_owned(),
+                namespace: scope.namespace().into(),
                 name: pod.name_any(),
                 container: Some("main".into()),
             }],

@@ -81,7 +81,7 @@ fn gpu_pod(scope: &TestScope, name: &str, node: &str, resource: &str, count: u32
 fn device_of_pod(status: &GpuNodeStatus, namespace: &str, pod: &str) -> Option<(String, String)> {
     let holds = |pods: &[gpupool_crds::node::PodRef]| {
         pods.iter()
-            .any(|p| p.namespace == namespace && p.name == pod)
+            .any(|p| *p.namespace == *namespace && p.name == pod)
     };
     status.gpus.iter().find_map(|g| {
         g.mig_devices
@@ -683,7 +683,8 @@ async fn real_kubelet_admits_gpu_pods_through_the_plugin() -> Result<()> {
                 min_version: Some("550".into()),
                 cuda_version: Some("12.4".into()),
                 ..DriverPolicy::default()
-            }.into(),
+            }
+            .into(),
             cdi: Default::default(),
             mig: layout("1g.10gb", 3).into(),
             utilization: UtilizationSpec {
@@ -867,7 +868,7 @@ async fn real_kubelet_admits_gpu_pods_through_the_plugin() -> Result<()> {
         |s| {
             s.mig.state == MigState::Applied
                 && s.gpus.first().is_some_and(|g| {
-                    g.mig_devices.len() == 1 && g.mig_devices[0].profile == "3g.40gb"
+                    g.mig_devices.len() == 1 && &*g.mig_devices[0].profile == "3g.40gb"
                 })
         },
     )

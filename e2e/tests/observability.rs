@@ -159,7 +159,7 @@ fn held_gpu(index: u32, pod: &Pod, idle: bool) -> GpuStatus {
             activity: if idle { Activity::Idle } else { Activity::Busy },
             idle_since: idle.then_some(Time(hour_ago)),
             pods: vec![PodRef {
-                namespace: pod.namespace().unwrap_or_default(),
+                namespace: pod.namespace().unwrap_or_default().into(),
                 name: pod.name_any(),
                 container: Some("main".into()),
             }],
@@ -174,7 +174,7 @@ fn held_and_idle(gn: &GpuNode, namespace: &str) -> (f64, f64) {
     let gpus = gn.status.as_ref().map(|s| s.gpus.as_slice()).unwrap_or(&[]);
     let held: Vec<&GpuStatus> = gpus
         .iter()
-        .filter(|g| g.idleness.pods.iter().any(|p| p.namespace == namespace))
+        .filter(|g| g.idleness.pods.iter().any(|p| *p.namespace == *namespace))
         .collect();
     let idle = held
         .iter()

@@ -59,7 +59,7 @@ fn gpu(index: u32, holder: &Pod, seen: Seen) -> GpuStatus {
             activity,
             idle_since,
             pods: vec![PodRef {
-                namespace: holder.namespace().unwrap_or_default(),
+                namespace: holder.namespace().unwrap_or_default().into(),
                 name: holder.name_any(),
                 container: Some("main".into()),
             }],

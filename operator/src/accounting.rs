@@ -70,7 +70,7 @@ fn split(idleness: &Idleness, shares: &[Idleness], weight: f64, out: &mut Vec<Sh
     for pod in &idleness.pods {
         let own = share_of(shares, pod);
         out.push(Share {
-            namespace: pod.namespace.clone(),
+            namespace: pod.namespace.to_string(),
             weight: weight / holders as f64,
             idle_since: own.unwrap_or(idleness).idle_since.as_ref().map(|t| t.0),
         });

@@ -19,7 +19,8 @@
 //!   device only for its holders (reclaim, drain, GPU-time accounting) or, unhealthy, to name
 //!   it; GPU counts come from the agent's totals; the holders' container names, the CDI
 //!   spec's path, the CUDA version and the agent's conditions but a CDI spec that is not
-//!   ready are not read either. Of the metadata, the UID,
+//!   ready are not read either. GPU models, MIG profiles and holders' namespaces are
+//!   interned ([`crate::intern`]). Of the metadata, the UID,
 //!   resource version and owners' names go (owners are compared by UID), and the usual
 //!   labels, the pool label alone, are folded into an empty map ([`gpunode_pool`] reads it).
 //!   The spec is kept whole: it is what the operator compares its desired state with. Its MIG
@@ -786,15 +787,20 @@ pub fn trim_gpunode(gn: &mut GpuNode) {
         cdi.digest = String::new();
         cdi.path = String::new();
     }
+    // GPU models, MIG profiles and holders' namespaces repeat across thousands of nodes: the
+    // cache keeps one copy of each.
+    let share = |s: &mut Arc<str>| *s = intern(s);
     for gpu in &mut status.gpus {
         gpu.pci_bus_id = String::new();
         if gpu.health == Health::Healthy {
             gpu.uuid = String::new();
         }
+        share(&mut gpu.model);
         gpu.mig_devices.retain(|m| !m.idleness.pods.is_empty());
         for m in &mut gpu.mig_devices {
             m.uuid = String::new();
             m.cdi_name = String::new();
+            share(&mut m.profile);
         }
         let idleness = gpu
             .mig_devices
@@ -804,6 +810,7 @@ pub fn trim_gpunode(gn: &mut GpuNode) {
             .chain(std::iter::once(&mut gpu.idleness));
         for holder in idleness.flat_map(|i| i.pods.iter_mut()) {
             holder.container = None;
+            share(&mut holder.namespace);
         }
         gpu.mig_devices.shrink_to_fit();
     }
@@ -1401,7 +1408,11 @@ mod tests {
         assert_eq!(a.gpus[0].mig_devices.len(), 1);
         assert_eq!(gn.spec, full.spec);
         assert_eq!(b.conditions.len(), 3, "the agent's usual conditions");
-        assert!(a.conditions.is_empty(), "none the pool reads: {:?}", a.conditions);
+        assert!(
+            a.conditions.is_empty(),
+            "none the pool reads: {:?}",
+            a.conditions
+        );
 
         // A CDI spec that is not ready is kept, message and all: the pool reports it.
         let mut not_ready = full.clone();
@@ -1415,6 +1426,37 @@ mod tests {
         let expected = cdi.clone();
         trim_gpunode(&mut not_ready);
         assert_eq!(not_ready.status.unwrap().conditions, [expected]);
+    }
+
+    #[test]
+    fn trimmed_gpunodes_share_models_profiles_and_namespaces() {
+        let (mut a, mut b) = (
+            decoded("n1", layout("1g.10gb", 7)),
+            decoded("n2", layout("1g.10gb", 7)),
+        );
+        for (gn, pod) in [(&mut a, "trainer-0"), (&mut b, "trainer-1")] {
+            let status = mig_node_status(gn, &[("ml".into(), pod.into())]);
+            gn.status =
+                Some(serde_json::from_value(serde_json::to_value(status).unwrap()).unwrap());
+        }
+        let before = a.clone();
+        trim_gpunode(&mut a);
+        trim_gpunode(&mut b);
+        let (ga, gb) = (
+            &a.status.as_ref().unwrap().gpus[0],
+            &b.status.as_ref().unwrap().gpus[0],
+        );
+        let (ma, mb) = (&ga.mig_devices[0], &gb.mig_devices[0]);
+        let (pa, pb) = (&ma.idleness.pods[0], &mb.idleness.pods[0]);
+        assert!(Arc::ptr_eq(&ga.model, &gb.model));
+        assert!(Arc::ptr_eq(&ma.profile, &mb.profile));
+        assert!(Arc::ptr_eq(&pa.namespace, &pb.namespace));
+        let kept = &before.status.as_ref().unwrap().gpus[0];
+        assert_eq!(
+            (&*ga.model, &*ma.profile, &*pa.namespace, pa.name.as_str()),
+            (&*kept.model, "1g.10gb", "ml", "trainer-0"),
+            "sharing changes no value"
+        );
     }
 
     /// An idleness as the pool reads it: activity, idle time and the holders by namespace and

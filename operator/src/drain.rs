@@ -59,7 +59,7 @@ fn placements(gn: &GpuNode) -> BTreeMap<(String, String), BTreeSet<u32>> {
             .iter()
             .chain(gpu.mig_devices.iter().flat_map(|m| m.idleness.pods.iter()));
         for p in holders {
-            out.entry((p.namespace.clone(), p.name.clone()))
+            out.entry((p.namespace.to_string(), p.name.clone()))
                 .or_default()
                 .insert(gpu.index);
         }
@@ -212,7 +212,7 @@ mod tests {
                         .iter()
                         .filter(|(i, _)| *i == index)
                         .map(|(_, p)| PodRef {
-                            namespace: p.namespace().unwrap_or_default(),
+                            namespace: p.namespace().unwrap_or_default().into(),
                             name: p.name_any(),
                             container: None,
                         })

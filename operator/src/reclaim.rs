@@ -68,7 +68,7 @@ pub fn devices_by_pod(gn: &GpuNode) -> BTreeMap<(String, String), Vec<DeviceIdle
                         idle_since: None,
                     },
                 };
-                out.entry((p.namespace.clone(), p.name.clone()))
+                out.entry((p.namespace.to_string(), p.name.clone()))
                     .or_default()
                     .push(judged);
             }

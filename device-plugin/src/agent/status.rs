@@ -164,7 +164,7 @@ pub fn gpu_statuses(
                     let (h, _) = to_status(health.get(m.uuid.as_str()));
                     MigDeviceStatus {
                         uuid: m.uuid.to_string(),
-                        profile: m.profile.to_string(),
+                        profile: m.profile.to_string().into(),
                         gpu_instance: m.gpu_instance.0,
                         compute_instance: m.compute_instance.0,
                         cdi_name: cdi_kind.qualify(&naming.mig_device_name(
@@ -183,7 +183,7 @@ pub fn gpu_statuses(
             GpuStatus {
                 index: g.device.index,
                 uuid: uuid.clone(),
-                model: g.device.name.clone(),
+                model: g.device.name.as_str().into(),
                 memory_mib: g.device.memory_mib,
                 pci_bus_id: g.device.pci_bus_id.clone(),
                 health: gpu_health,
