@@ -188,10 +188,10 @@ fn valid_pools(ctx: &Context) -> Vec<Arc<GpuPool>> {
 
 /// Whether `pool` owns `gn` (by the pool's UID).
 pub(crate) fn owned_by(gn: &GpuNode, pool: &GpuPool) -> bool {
-    let uid = pool.uid();
+    let uid = pool.metadata.uid.as_deref();
     gn.owner_references()
         .iter()
-        .any(|o| Some(&o.uid) == uid.as_ref())
+        .any(|o| Some(o.uid.as_str()) == uid)
 }
 
 /// The operator's taints among a node's `taints`.
@@ -243,11 +243,13 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     let nodes = ctx.nodes.state();
     let selector_error = pool::selector(pool).err();
     let membership = membership::plan_membership(pool, &pools, &nodes);
-    let gpunodes: BTreeMap<String, Arc<GpuNode>> = ctx
-        .gpunodes
-        .state()
-        .into_iter()
-        .map(|g| (g.name_any(), g))
+    // Names are borrowed from the cached objects: at thousands of nodes a copy of each name in
+    // each of the maps below is tens of thousands of allocations a reconcile, held across its
+    // writes while the watches fill the heap around them.
+    let gpunode_state = ctx.gpunodes.state();
+    let gpunodes: BTreeMap<&str, &GpuNode> = gpunode_state
+        .iter()
+        .map(|g| (g.metadata.name.as_deref().unwrap_or_default(), g.as_ref()))
         .collect();
     let gn_api: Api<GpuNode> = Api::all(ctx.client.clone());
     let pool_ref = pool.object_ref(&());
@@ -255,7 +257,7 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     // GpuNodes: ensure one per member, delete those of nodes that left. Writes go out a few
     // at a time: at a thousand nodes, one by one is what makes a first reconcile slow.
     let mut members = Vec::new();
-    let member_names: BTreeSet<String> = membership.members.iter().map(|n| n.name_any()).collect();
+    let member_names: BTreeSet<&str> = membership.members.iter().map(|n| n.name()).collect();
     let mut to_apply = Vec::new();
     let mut joined = Vec::new();
     // One spec per kind of node, shared; a node's own GpuNode is built only to compare it
@@ -264,55 +266,46 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     let wanted: Vec<_> = membership
         .members
         .iter()
-        .map(|node| (node, node.name_any(), specs.resolve(node.labels())))
+        .map(|node| (node, node.name(), specs.resolve(node.labels())))
         .collect();
     // A layout edit rolls over the nodes a few at a time (mig.maxUnavailable).
-    let owned = |name: &str| {
-        gpunodes
-            .get(name)
-            .filter(|gn| owned_by(gn, pool))
-            .map(Arc::as_ref)
-    };
+    let owned = |name: &str| gpunodes.get(name).copied().filter(|gn| owned_by(gn, pool));
     let rollout: Vec<(&str, Option<&GpuNode>, &gpupool_crds::node::NodeMigSpec)> = wanted
         .iter()
-        .map(|(_, name, resolved)| (name.as_str(), owned(name), &*resolved.spec.mig))
+        .map(|(_, name, resolved)| (*name, owned(name), &*resolved.spec.mig))
         .collect();
-    let holds: BTreeSet<String> =
-        pool::mig_rollout_holds(pool.spec.mig.max_unavailable(), &rollout)
-            .into_iter()
-            .map(str::to_owned)
-            .collect();
+    let holds: BTreeSet<&str> = pool::mig_rollout_holds(pool.spec.mig.max_unavailable(), &rollout)
+        .into_iter()
+        .collect();
     for (node, node_name, resolved) in wanted {
-        let mig_waiting = holds.contains(&node_name);
-        let existing = gpunodes.get(&node_name);
+        let mig_waiting = holds.contains(node_name);
+        let existing = gpunodes.get(node_name).copied();
         // A node waiting its turn keeps the layout it has.
         let kept_mig = existing
             .filter(|_| mig_waiting)
             .map(|gn| gn.spec.mig.clone());
-        let desired = desired_gpunode(pool, &node_name, &resolved, kept_mig.clone());
+        let mig = kept_mig.as_ref().unwrap_or(&resolved.spec.mig);
         match existing {
             Some(gn) if !owned_by(gn, pool) => {
                 // Still held by a pool that is letting go; take it once it is gone.
                 debug!(node = %node_name, "GpuNode still owned by another pool");
             }
-            Some(gn) if pool::gpunode_up_to_date(gn, &desired) => {}
+            Some(gn) if pool::gpunode_wanted(gn, pool, &resolved.spec, mig) => {}
             _ => {
                 if existing.is_none() {
-                    joined.push(node_name.clone());
+                    joined.push(node_name.to_owned());
                 }
-                to_apply.push((node_name.clone(), resolved.clone(), kept_mig));
+                to_apply.push((node_name.to_owned(), resolved.clone(), kept_mig));
             }
         }
         members.push(Member {
-            node: node_name.clone(),
-            gpunode: existing
-                .filter(|gn| owned_by(gn, pool))
-                .map(|gn| gn.as_ref()),
+            node: node_name,
+            gpunode: existing.filter(|gn| owned_by(gn, pool)),
             layout_problem: resolved.problem.clone(),
             node_ready: node.is_ready(),
             agent: ctx
                 .liveness
-                .judge(&node_name, now, ctx.settings.agent_stale_after),
+                .judge(node_name, now, ctx.settings.agent_stale_after),
             mig_waiting,
         });
     }
@@ -348,7 +341,7 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     let mut left: Vec<String> = gpunodes
         .iter()
         .filter(|(n, gn)| owned_by(gn, pool) && !member_names.contains(*n))
-        .map(|(n, _)| n.clone())
+        .map(|(n, _)| n.to_string())
         .collect();
     let deleted: Vec<(String, Result<()>)> = stream::iter(left.clone())
         .map(|n| {
@@ -392,8 +385,8 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     // Node labels and taints.
     let mut node_writes = Vec::new();
     for node in nodes.iter() {
-        let node_name = node.name_any();
-        let is_member = member_names.contains(&node_name);
+        let node_name = node.name();
+        let is_member = member_names.contains(node_name);
         let labelled_ours = node.labels().get(POOL_LABEL) == Some(&name);
         if !is_member && !labelled_ours {
             continue;
@@ -402,7 +395,7 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
         // Owned keys: a borrowed set in this async pipeline trips a higher-ranked lifetime
         // limitation of the compiler.
         let want: BTreeSet<String> = if is_member {
-            pool::node_taints(pool, gpunodes.get(&node_name).map(Arc::as_ref))
+            pool::node_taints(pool, gpunodes.get(node_name).copied())
                 .into_iter()
                 .map(str::to_owned)
                 .collect()

@@ -1,6 +1,7 @@
 //! Pool decisions, free of I/O: which pool owns a node, the GpuNode a node should have, and
 //! the status a pool reports.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
@@ -260,22 +261,53 @@ pub fn gpunode_for(pool: &GpuPool, node_name: &str, spec: GpuNodeSpec) -> GpuNod
 /// Whether an existing GpuNode already has what `desired` asks (spec, pool label, owner).
 pub fn gpunode_up_to_date(existing: &GpuNode, desired: &GpuNode) -> bool {
     let label = crate::cache::gpunode_pool;
-    let owner = |g: &GpuNode| {
-        g.owner_references()
-            .iter()
-            .find(|o| o.controller == Some(true))
-            .map(|o| o.uid.clone())
-    };
     existing.spec == desired.spec
         && label(existing) == label(desired)
-        && owner(existing) == owner(desired)
+        && controller_uid(existing) == controller_uid(desired)
+}
+
+/// [`gpunode_up_to_date`] for the GpuNode [`gpunode_for`] would build from `pool` and `spec`
+/// with `mig` as its layout, without building it: a reconcile asks this of every node.
+pub fn gpunode_wanted(
+    existing: &GpuNode,
+    pool: &GpuPool,
+    spec: &GpuNodeSpec,
+    mig: &NodeMigSpec,
+) -> bool {
+    // Named field by field, so that a field added to the spec does not compile until it is
+    // compared here too.
+    let GpuNodeSpec {
+        pool: pool_name,
+        driver,
+        cdi,
+        mig: _,
+        utilization,
+        sharing,
+    } = spec;
+    let have = &existing.spec;
+    have.pool == *pool_name
+        && have.driver == *driver
+        && have.cdi == *cdi
+        && *have.mig == *mig
+        && have.utilization == *utilization
+        && have.sharing == *sharing
+        && crate::cache::gpunode_pool(existing) == pool.metadata.name.as_deref()
+        && controller_uid(existing) == pool.metadata.uid.as_deref()
+}
+
+/// The UID of a GpuNode's controller owner.
+fn controller_uid(gn: &GpuNode) -> Option<&str> {
+    gn.owner_references()
+        .iter()
+        .find(|o| o.controller == Some(true))
+        .map(|o| o.uid.as_str())
 }
 
 /// One node the pool owns, as the status sees it.
 #[derive(Clone, Debug)]
 pub struct Member<'a> {
     /// Node name.
-    pub node: String,
+    pub node: &'a str,
     /// Its GpuNode, if it exists yet.
     pub gpunode: Option<&'a GpuNode>,
     /// A layout that does not fit the node.
@@ -355,17 +387,41 @@ impl NodeVerdict {
     }
 }
 
-fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -> NodeVerdict {
+/// A [`NodeProblem`] borrowing what it can: a pool of thousands of nodes, none reported yet,
+/// has a problem on every node, of which the status keeps [`MAX_PROBLEMS`]. The fields are
+/// ordered as `NodeProblem`'s, so both sort alike.
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Problem<'a> {
+    node: &'a str,
+    reason: &'a str,
+    message: Cow<'a, str>,
+}
+
+impl From<Problem<'_>> for NodeProblem {
+    fn from(p: Problem<'_>) -> Self {
+        NodeProblem {
+            node: p.node.to_owned(),
+            reason: p.reason.to_owned(),
+            message: p.message.into_owned(),
+        }
+    }
+}
+
+fn judge_node<'a>(
+    pool: &GpuPool,
+    m: &'a Member<'a>,
+    problems: &mut Vec<Problem<'a>>,
+) -> NodeVerdict {
     let mut v = NodeVerdict::default();
-    let mut problem = |reason: &str, message: String| {
-        problems.push(NodeProblem {
-            node: m.node.clone(),
-            reason: reason.to_owned(),
+    let mut problem = |reason: &'a str, message: Cow<'a, str>| {
+        problems.push(Problem {
+            node: m.node,
+            reason,
             message,
         })
     };
     if let Some(lp) = &m.layout_problem {
-        problem(lp.reason, lp.message.clone());
+        problem(lp.reason, Cow::Borrowed(&lp.message));
         v.mig = MigVerdict::Failed;
     }
     let managed = m
@@ -410,7 +466,8 @@ fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -
                  healthy and nothing is reclaimed on it; check the device-plugin pod on this node",
                 silent_for.as_secs(),
                 HEARTBEAT_INTERVAL.as_secs()
-            ),
+            )
+            .into(),
         ),
         AgentLiveness::Live { skew: Some(skew) } => problem(
             "ClockSkew",
@@ -423,7 +480,8 @@ fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -
                 } else {
                     "ahead of"
                 }
-            ),
+            )
+            .into(),
         ),
         AgentLiveness::Live { skew: None } | AgentLiveness::Unknown => {}
     }
@@ -440,7 +498,7 @@ fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -
             for c in failed {
                 problem(
                     "DriverCheckFailed",
-                    format!("check {} failed: {}", c.name, c.message),
+                    format!("check {} failed: {}", c.name, c.message).into(),
                 );
             }
         }
@@ -473,7 +531,10 @@ fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -
                 // Written, but not what the runtime will read: deleted, edited, or claimed by
                 // another spec. The agent's message says what to fix.
                 Some(c) => {
-                    problem("CDISpecNotReady", format!("{}: {}", c.reason, c.message));
+                    problem(
+                        "CDISpecNotReady",
+                        format!("{}: {}", c.reason, c.message).into(),
+                    );
                     false
                 }
                 None => true,
@@ -495,7 +556,8 @@ fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -
                             .flatten()
                             .collect::<Vec<_>>()
                             .join(": ")
-                    ),
+                    )
+                    .into(),
                 );
                 MigVerdict::Failed
             }
@@ -510,7 +572,8 @@ fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -
                 "keeps its current MIG layout until its turn: at most {} node(s) of the pool \
                  change their layout at once (mig.maxUnavailable)",
                 pool.spec.mig.max_unavailable()
-            ),
+            )
+            .into(),
         );
     }
     for gpu in status.gpus.iter().filter(|g| g.health == Health::Unhealthy) {
@@ -522,7 +585,8 @@ fn judge_node(pool: &GpuPool, m: &Member<'_>, problems: &mut Vec<NodeProblem>) -
                 gpu.index,
                 gpu.uuid,
                 gpu.reason.as_deref().unwrap_or("no reason given")
-            ),
+            )
+            .into(),
         );
     }
     v
@@ -538,10 +602,10 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
         verdicts.push(judge_node(pool, m, &mut problems));
     }
     for c in &input.conflicts {
-        problems.push(NodeProblem {
-            node: c.node.clone(),
-            reason: "Conflict".into(),
-            message: if c.held_here {
+        problems.push(Problem {
+            node: &c.node,
+            reason: "Conflict",
+            message: Cow::Owned(if c.held_here {
                 format!(
                     "also matched by pool {}; this pool holds the node and keeps it: narrow one of \
                      the selectors",
@@ -553,12 +617,13 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
                      narrow one of the selectors",
                     c.other
                 )
-            },
+            }),
         });
     }
     problems.sort();
     problems.dedup();
     problems.truncate(MAX_PROBLEMS);
+    let problems: Vec<NodeProblem> = problems.into_iter().map(NodeProblem::from).collect();
 
     let selected = input.members.len() as u32;
     let ready = verdicts.iter().filter(|v| v.ready()).count() as u32;
@@ -651,7 +716,7 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
                         .iter()
                         .zip(&verdicts)
                         .filter(|(_, v)| !v.ready())
-                        .map(|(m, _)| m.node.as_str())
+                        .map(|(m, _)| m.node)
                 )
             ),
         )
@@ -664,7 +729,7 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
             .iter()
             .zip(&verdicts)
             .filter(|(_, v)| f(v))
-            .map(|(m, _)| m.node.as_str())
+            .map(|(m, _)| m.node)
             .collect::<Vec<_>>()
     };
     // With no node, "every node passed" would be a vacuous truth an admin reads as health.
@@ -1141,6 +1206,90 @@ pub(crate) mod tests {
         assert!(!gn.spec.mig.managed);
     }
 
+    /// The reconcile's check that a GpuNode is as wanted, made without building the desired
+    /// GpuNode, says what comparing with the built one says: every field it compares, changed
+    /// alone, makes the GpuNode out of date.
+    #[test]
+    fn a_gpunode_is_wanted_exactly_when_it_is_up_to_date() {
+        let p = pool("train", "2026-01-01T00:00:00Z", &[]);
+        let node_labels = labels(&[
+            ("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3"),
+            ("nvidia.com/gpu.count", "8"),
+        ]);
+        let resolved = resolve_spec(&p, &node_labels);
+        let desired = gpunode_for(&p, "n1", resolved.spec.clone());
+        let other_layout = Arc::new(NodeMigSpec {
+            managed: true,
+            ..NodeMigSpec::default()
+        });
+        let edits: Vec<(&str, Box<dyn Fn(&mut GpuNode)>)> = vec![
+            ("as built", Box::new(|_| {})),
+            ("pool", Box::new(|g| g.spec.pool = "other".into())),
+            (
+                "driver",
+                Box::new(|g| Arc::make_mut(&mut g.spec.driver).min_version = Some("550".into())),
+            ),
+            (
+                "cdi",
+                Box::new(|g| Arc::make_mut(&mut g.spec.cdi).spec_dir = "/etc/cdi".into()),
+            ),
+            (
+                "mig",
+                Box::new(|g| Arc::make_mut(&mut g.spec.mig).managed ^= true),
+            ),
+            (
+                "utilization",
+                Box::new(|g| g.spec.utilization.idle_threshold += 1),
+            ),
+            (
+                "sharing",
+                Box::new(|g| {
+                    g.spec.sharing.time_slicing =
+                        Some(serde_json::from_value(serde_json::json!({"replicas": 4})).unwrap());
+                }),
+            ),
+            (
+                "pool label",
+                Box::new(|g| {
+                    g.labels_mut().insert(POOL_LABEL.into(), "other".into());
+                }),
+            ),
+            ("no labels", Box::new(|g| g.metadata.labels = None)),
+            (
+                "owner",
+                Box::new(|g| g.owner_references_mut()[0].uid = "uid-other".into()),
+            ),
+            (
+                "owner not controller",
+                Box::new(|g| g.owner_references_mut()[0].controller = None),
+            ),
+        ];
+        for (what, edit) in &edits {
+            let mut existing = desired.clone();
+            edit(&mut existing);
+            assert_eq!(
+                gpunode_wanted(&existing, &p, &resolved.spec, &resolved.spec.mig),
+                gpunode_up_to_date(&existing, &desired),
+                "{what}"
+            );
+            assert_eq!(
+                gpunode_wanted(&existing, &p, &resolved.spec, &resolved.spec.mig),
+                *what == "as built",
+                "{what}"
+            );
+        }
+        // A node waiting its turn in a rollout is compared with the layout it keeps.
+        let mut kept = desired.clone();
+        kept.spec.mig = other_layout.clone();
+        assert!(gpunode_wanted(&kept, &p, &resolved.spec, &other_layout));
+        assert!(!gpunode_wanted(
+            &kept,
+            &p,
+            &resolved.spec,
+            &resolved.spec.mig
+        ));
+    }
+
     #[test]
     fn nodes_of_one_kind_share_one_resolved_spec() {
         let mut p = pool("train", "2026-01-01T00:00:00Z", &[]);
@@ -1202,9 +1351,9 @@ pub(crate) mod tests {
         }
     }
 
-    fn member<'a>(node: &str, gn: Option<&'a GpuNode>) -> Member<'a> {
+    fn member<'a>(node: &'a str, gn: Option<&'a GpuNode>) -> Member<'a> {
         Member {
-            node: node.into(),
+            node,
             gpunode: gn,
             layout_problem: None,
             node_ready: true,
@@ -1679,7 +1828,8 @@ pub(crate) mod tests {
     #[test]
     fn problems_are_bounded_and_sorted() {
         let p = pool("big", "2026-01-01T00:00:00Z", &[]);
-        let members: Vec<Member<'_>> = (0..80).map(|i| member(&format!("n{i:03}"), None)).collect();
+        let names: Vec<String> = (0..80).map(|i| format!("n{i:03}")).collect();
+        let members: Vec<Member<'_>> = names.iter().map(|n| member(n, None)).collect();
         let st = pool_status(&input(&p, members));
         assert_eq!(st.problems.len(), MAX_PROBLEMS);
         assert_eq!(
