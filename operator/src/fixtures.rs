@@ -249,7 +249,7 @@ async fn an_unchanged_pool_writes_nothing() {
     p.status = Some(pool::pool_status(&StatusInput {
         pool: &p,
         members: vec![Member {
-            node: "n1".into(),
+            node: "n1",
             gpunode: Some(&gn),
             layout_problem: None,
             node_ready: true,
@@ -630,7 +630,7 @@ fn train_fixture(client: Client, labelled: bool, failures: Vec<ApiFailure>) -> (
     p.status = Some(pool::pool_status(&StatusInput {
         pool: &p,
         members: vec![Member {
-            node: "n1".into(),
+            node: "n1",
             gpunode: Some(&gn),
             layout_problem: None,
             node_ready: true,

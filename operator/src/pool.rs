@@ -1222,7 +1222,8 @@ pub(crate) mod tests {
             managed: true,
             ..NodeMigSpec::default()
         });
-        let edits: Vec<(&str, Box<dyn Fn(&mut GpuNode)>)> = vec![
+        type Edit = Box<dyn Fn(&mut GpuNode)>;
+        let edits: Vec<(&str, Edit)> = vec![
             ("as built", Box::new(|_| {})),
             ("pool", Box::new(|g| g.spec.pool = "other".into())),
             (
