@@ -611,7 +611,16 @@ async fn main() -> BoxResult<()> {
     let beating = tokio::spawn(heartbeats(gpunodes.clone(), fleet.clone()));
     let deadline = Instant::now() + timeout;
     while (fleet.reported() as u64) < n && Instant::now() < deadline {
-        let list = gpunodes.list(&lp).await?;
+        // The API server is loaded at this scale: a call it drops is tried again, not the end
+        // of the run.
+        let list = match gpunodes.list(&lp).await {
+            Ok(list) => list,
+            Err(e) => {
+                eprintln!("fleet: listing GpuNodes failed, trying again: {e}");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
         let todo: Vec<GpuNode> = list
             .items
             .into_iter()
@@ -621,23 +630,32 @@ async fn main() -> BoxResult<()> {
             tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
         }
-        let names: Vec<String> = todo.iter().map(|g| g.name_any()).collect();
-        stream::iter(todo)
+        let reported: Vec<String> = stream::iter(todo)
             .map(|g| {
                 let api = gpunodes.clone();
                 async move {
-                    api.patch_status(
-                        &g.name_any(),
-                        &PatchParams::apply("scale-fleet").force(),
-                        &Patch::Apply(&status_for(&g, per_node)),
-                    )
-                    .await
+                    let name = g.name_any();
+                    let written = api
+                        .patch_status(
+                            &name,
+                            &PatchParams::apply("scale-fleet").force(),
+                            &Patch::Apply(&status_for(&g, per_node)),
+                        )
+                        .await;
+                    match written {
+                        Ok(_) => Some(name),
+                        Err(e) => {
+                            eprintln!("fleet: reporting {name} failed, trying again: {e}");
+                            None
+                        }
+                    }
                 }
             })
             .buffer_unordered(32)
-            .try_collect::<Vec<_>>()
-            .await?;
-        for name in names {
+            .filter_map(std::future::ready)
+            .collect()
+            .await;
+        for name in reported {
             fleet.stamp(name);
         }
     }
@@ -650,7 +668,14 @@ async fn main() -> BoxResult<()> {
     let mut last_seen = None;
     let mut next_progress = Instant::now() + PROGRESS_EVERY;
     while Instant::now() < deadline {
-        let pool = pools.get(POOL).await?;
+        let pool = match pools.get(POOL).await {
+            Ok(pool) => pool,
+            Err(e) => {
+                eprintln!("reading the pool failed, trying again: {e}");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
         if ready(&pool) {
             became_ready = Some(Instant::now());
             break;
