@@ -29,7 +29,9 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::cache::{
     CachedNode, CachedPod, SharedSpecs, WatchedNode, WatchedPod, cached_event, keep_pod,
 };
-use crate::context::{Context, FIELD_MANAGER, GPUNODE_LIST_PAGE, InitialList, LIST_PAGE, Settings};
+use crate::context::{
+    Context, FIELD_MANAGER, GPUNODE_LIST_PAGE, InitialList, LIST_PAGE, POD_LIST_PAGE, Settings,
+};
 use crate::error::{Error, Failures, Result};
 use crate::liveness::Liveness;
 use crate::metrics::{ErrorLabels, Metrics, ReconcileLabels};
@@ -747,7 +749,7 @@ pub async fn run(
     );
     let pod_stream = watcher(
         pod_api,
-        cfg.clone()
+        watcher_config(settings.initial_list, POD_LIST_PAGE)
             .fields("status.phase!=Succeeded,status.phase!=Failed"),
     )
     .map_ok(cached_event)
@@ -897,6 +899,8 @@ mod tests {
         assert_eq!(paged.page_size, Some(LIST_PAGE));
         let gpunodes = watcher_config(InitialList::Paged, GPUNODE_LIST_PAGE);
         assert_eq!(gpunodes.page_size, Some(GPUNODE_LIST_PAGE));
+        let pods = watcher_config(InitialList::Paged, POD_LIST_PAGE);
+        assert_eq!(pods.page_size, Some(POD_LIST_PAGE));
         assert_eq!(paged.list_semantic, ListSemantic::MostRecent);
         assert_eq!(paged.initial_list_strategy, InitialListStrategy::ListWatch);
 

@@ -78,7 +78,7 @@ struct Args {
         value_parser = clap::value_parser!(u64).range(1..))]
     accounting_interval: u64,
     /// How the caches list the cluster at start and on a relist: `paged` (500 objects a
-    /// request, GpuNodes 50), `cache` (one unpaged answer from the API server's cache: fewer requests, the
+    /// request, GpuNodes 50, pods 100), `cache` (one unpaged answer from the API server's cache: fewer requests, the
     /// whole list in memory at once) or `streaming` (objects one by one over a watch; needs the
     /// API server's WatchList feature, on by default since Kubernetes 1.32).
     #[arg(long, env = "GPUPOOL_INITIAL_LIST", value_enum, default_value_t = InitialList::Paged)]
