@@ -11,7 +11,8 @@
 //!   through `nvmlEventSetWait` on the fake, which wakes on the state file's write (inotify),
 //!   so the figures measure the plugins and the library's delivery, not a poll interval.
 //!   NVIDIA's plugin never marks a device healthy again, so each GPU gives one sample per
-//!   plugin run.
+//!   plugin run; [`HEALTH_RUNS`] plugin runs give each side [`HEALTH_SAMPLES`] samples a bench
+//!   (four a side, as before, moved the p50 ratio from 1.2× to 2.6× between runs).
 //! - VmRSS of the plugin process after registration and after the 10,000 Allocates.
 //! - the Allocate transport floor: the same client against a server that answers at once
 //!   (`crate::floor`), the least any plugin can take here.
@@ -32,6 +33,10 @@ const STARTS: usize = 5;
 const ALLOCATES: usize = 10_000;
 /// Whole GPUs of the mixed layout that get an Xid 79 (one sample each).
 const HEALTH_GPUS: [u32; 4] = [0, 1, 2, 3];
+/// Plugin runs that each mark [`HEALTH_GPUS`] Unhealthy: the first is the one the Allocates ran
+/// against, the others start on reset GPUs.
+const HEALTH_RUNS: usize = 5;
+const HEALTH_SAMPLES: usize = HEALTH_GPUS.len() * HEALTH_RUNS;
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(30);
 const STRATEGY: &str = "mixed";
 const RESOURCE: &str = "nvidia.com/gpu";
@@ -138,33 +143,56 @@ pub async fn run(tools: &Tools, work: &Path) -> Result<()> {
         f.allocate = tokio::task::spawn_blocking(move || allocate_loop(&socket, &ids)).await??;
         f.rss_after_kib = vm_rss_kib(running.pid);
 
-        // The advertised IDs carry no GPU index; count Unhealthy devices instead.
-        let unhealthy = |list: &[gpupool_device_plugin::plugin::api::v1beta1::Device]| {
-            list.iter().filter(|d| d.health == "Unhealthy").count()
-        };
-        let injector = node::FaultInjector::open(&node)?;
-        for (n, gpu) in HEALTH_GPUS.into_iter().enumerate() {
-            let t = Instant::now();
-            injector.xid(gpu, 79)?;
-            let seen = running
-                .kubelet
-                .wait_devices(RESOURCE, HEALTH_TIMEOUT, |list| unhealthy(list) > n)
-                .await;
-            match seen {
-                Some(_) => f.health.push(t.elapsed()),
-                None => {
-                    f.health_note = Some(format!(
-                        "Xid 79 on GPU {gpu} not reported Unhealthy within {HEALTH_TIMEOUT:?}"
-                    ));
-                    break;
-                }
-            }
-        }
+        health_samples(&mut running, &node, f).await?;
         running.stop().await;
+        for _ in 1..HEALTH_RUNS {
+            if f.health_note.is_some() {
+                break;
+            }
+            node::reset_all(&node)?;
+            let mut running =
+                plugins::start(side, &node, STRATEGY, &work, &tools.plugin, &tools.self_exe)
+                    .await?;
+            running.registered().await?;
+            health_samples(&mut running, &node, f).await?;
+            running.stop().await;
+        }
     }
     node::reset_all(&node)?;
     let floor = floor_allocates(tools, &dir).await?;
     print_table(&figures, &floor);
+    Ok(())
+}
+
+/// One Xid 79 on each of [`HEALTH_GPUS`] in turn, each timed from the fake's state write until
+/// the stand-in's device list shows one more device Unhealthy (the advertised IDs carry no GPU
+/// index, so Unhealthy devices are counted). A timeout ends the side's samples with a note.
+async fn health_samples(
+    running: &mut plugins::Running,
+    node: &node::FakeNode,
+    f: &mut Figures,
+) -> Result<()> {
+    let unhealthy = |list: &[gpupool_device_plugin::plugin::api::v1beta1::Device]| {
+        list.iter().filter(|d| d.health == "Unhealthy").count()
+    };
+    let injector = node::FaultInjector::open(node)?;
+    for (n, gpu) in HEALTH_GPUS.into_iter().enumerate() {
+        let t = Instant::now();
+        injector.xid(gpu, 79)?;
+        let seen = running
+            .kubelet
+            .wait_devices(RESOURCE, HEALTH_TIMEOUT, |list| unhealthy(list) > n)
+            .await;
+        match seen {
+            Some(_) => f.health.push(t.elapsed()),
+            None => {
+                f.health_note = Some(format!(
+                    "Xid 79 on GPU {gpu} not reported Unhealthy within {HEALTH_TIMEOUT:?}"
+                ));
+                break;
+            }
+        }
+    }
     Ok(())
 }
 
@@ -266,12 +294,15 @@ fn print_table(figures: &BTreeMap<Side, Figures>, floor: &[Duration]) {
         "µs",
     );
     row(
-        &format!(
-            "Xid 79 → ListAndWatch Unhealthy, p50 of {}",
-            HEALTH_GPUS.len()
-        ),
+        &format!("Xid 79 → ListAndWatch Unhealthy, p50 of {HEALTH_SAMPLES}"),
         q(&n.health, 0.5),
         q(&o.health, 0.5),
+        "ms",
+    );
+    row(
+        &format!("Xid 79 → ListAndWatch Unhealthy, p90 of {HEALTH_SAMPLES}"),
+        q(&n.health, 0.9),
+        q(&o.health, 0.9),
         "ms",
     );
     row(
