@@ -1492,6 +1492,10 @@ mod tests {
         assert_eq!(gpunode_pool(&cached), Some("train"));
         assert_eq!(gpunode_pool(&written), Some("train"));
         assert!(crate::pool::gpunode_up_to_date(&cached, &written));
+        // What the reconcile asks of a cached GpuNode.
+        let wanted =
+            |gn: &GpuNode| crate::pool::gpunode_wanted(gn, &pool, &written.spec, &written.spec.mig);
+        assert!(wanted(&cached));
         // Owned by the pool, compared by UID; the owner's other strings are gone.
         assert!(crate::controller::owned_by(&cached, &pool));
         let owner = &cached.metadata.owner_references.as_ref().unwrap()[0];
@@ -1539,6 +1543,7 @@ mod tests {
         trim_gpunode(&mut bare);
         assert_eq!(gpunode_pool(&bare), None);
         assert!(!crate::pool::gpunode_up_to_date(&bare, &written));
+        assert!(!wanted(&bare));
     }
 
     fn layout(profile: &str, count: u32) -> NodeMigSpec {

@@ -50,8 +50,7 @@ pub struct Settings {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum InitialList {
     /// Pages of [`LIST_PAGE`] objects ([`GPUNODE_LIST_PAGE`] GpuNodes, [`POD_LIST_PAGE`]
-    /// pods), each a consistent read:
-    /// one page in memory at a time.
+    /// pods), each a consistent read: one page in memory at a time.
     #[default]
     Paged,
     /// One unpaged answer from the API server's watch cache (`resourceVersion=0`): the fewest

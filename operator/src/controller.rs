@@ -262,8 +262,9 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
     let member_names: BTreeSet<&str> = membership.members.iter().map(|n| n.name()).collect();
     let mut to_apply = Vec::new();
     let mut joined = Vec::new();
-    // One spec per kind of node, shared; a node's own GpuNode is built only to compare it
-    // with what exists and, where they differ, to write it (a few at a time, below).
+    // One spec per kind of node, shared; what exists is compared with it field by field
+    // (pool::gpunode_wanted), and a node's own GpuNode is built only where it must be written
+    // (a few at a time, below).
     let mut specs = pool::SpecResolver::new(pool);
     let wanted: Vec<_> = membership
         .members

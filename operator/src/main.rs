@@ -78,9 +78,10 @@ struct Args {
         value_parser = clap::value_parser!(u64).range(1..))]
     accounting_interval: u64,
     /// How the caches list the cluster at start and on a relist: `paged` (500 objects a
-    /// request, GpuNodes 50, pods 100), `cache` (one unpaged answer from the API server's cache: fewer requests, the
-    /// whole list in memory at once) or `streaming` (objects one by one over a watch; needs the
-    /// API server's WatchList feature, on by default since Kubernetes 1.32).
+    /// request, GpuNodes 50, pods 100), `cache` (one unpaged answer from the API server's
+    /// cache: fewer requests, the whole list in memory at once) or `streaming` (objects one by
+    /// one over a watch; needs the API server's WatchList feature, on by default since
+    /// Kubernetes 1.32).
     #[arg(long, env = "GPUPOOL_INITIAL_LIST", value_enum, default_value_t = InitialList::Paged)]
     initial_list: InitialList,
     /// Seconds between heap trims, which hand the allocator's free pages back to the kernel so

@@ -258,16 +258,19 @@ pub fn gpunode_for(pool: &GpuPool, node_name: &str, spec: GpuNodeSpec) -> GpuNod
     gn
 }
 
-/// Whether an existing GpuNode already has what `desired` asks (spec, pool label, owner).
-pub fn gpunode_up_to_date(existing: &GpuNode, desired: &GpuNode) -> bool {
+/// Whether an existing GpuNode already has what `desired` asks (spec, pool label, owner): the
+/// reference [`gpunode_wanted`] is tested against, comparing with a built GpuNode.
+#[cfg(test)]
+pub(crate) fn gpunode_up_to_date(existing: &GpuNode, desired: &GpuNode) -> bool {
     let label = crate::cache::gpunode_pool;
     existing.spec == desired.spec
         && label(existing) == label(desired)
         && controller_uid(existing) == controller_uid(desired)
 }
 
-/// [`gpunode_up_to_date`] for the GpuNode [`gpunode_for`] would build from `pool` and `spec`
-/// with `mig` as its layout, without building it: a reconcile asks this of every node.
+/// Whether an existing GpuNode already has what the GpuNode [`gpunode_for`] would build from
+/// `pool` and `spec`, with `mig` as its layout, asks (spec, pool label, owner), without
+/// building it: a reconcile asks this of every node.
 pub fn gpunode_wanted(
     existing: &GpuNode,
     pool: &GpuPool,
