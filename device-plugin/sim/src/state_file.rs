@@ -90,10 +90,29 @@ impl StateFile {
         node: &Node,
         change: impl FnOnce(&mut SimState) -> SimResult<T>,
     ) -> SimResult<T> {
-        let _lock = self.lock()?;
+        let (staged, out) = self.stage(node, change)?;
+        staged.commit()?;
+        Ok(out)
+    }
+
+    /// The first half of [`StateFile::update`]: the changed state is written beside the file,
+    /// under the lock, and readers see it only when [`Staged::commit`] renames it into place.
+    /// A test that times what readers do with a change (a fault's delivery) starts its clock
+    /// at the commit, so the read, encode and write of the change are not in its figure.
+    pub fn stage<T>(
+        &self,
+        node: &Node,
+        change: impl FnOnce(&mut SimState) -> SimResult<T>,
+    ) -> SimResult<(Staged, T)> {
+        let lock = self.lock()?;
         let before = self.read_unlocked(node)?;
         let mut state = before.clone();
         let out = change(&mut state)?;
+        let mut staged = Staged {
+            _lock: lock,
+            tmp: None,
+            path: self.path.clone(),
+        };
         if state != before {
             let text = serde_json::to_string_pretty(&state)
                 .map_err(|e| SimError::Fixture(format!("encoding state: {e}")))?;
@@ -104,16 +123,110 @@ impl StateFile {
             // file stands for (MIG instances, injected faults) would not survive a power cut on
             // a real GPU either. A sync here sat between a fault's injection and every
             // reader's wake-up.
-            let write = |p: &Path| -> std::io::Result<()> {
-                let mut f = File::create(p)?;
-                f.write_all(text.as_bytes())
-            };
-            write(&tmp)
-                .and_then(|()| fs::rename(&tmp, &self.path))
-                .map_err(|e| {
-                    SimError::Fixture(format!("writing state {}: {e}", self.path.display()))
-                })?;
+            File::create(&tmp)
+                .and_then(|mut f| f.write_all(text.as_bytes()))
+                .map_err(|e| SimError::Fixture(format!("writing state {}: {e}", tmp.display())))?;
+            staged.tmp = Some(tmp);
         }
-        Ok(out)
+        Ok((staged, out))
+    }
+}
+
+/// A changed state written beside the state file, not yet seen by readers; the lock is held
+/// until it is committed or dropped (dropped, the change is discarded).
+#[derive(Debug)]
+#[must_use = "a staged change is discarded unless committed"]
+pub struct Staged {
+    _lock: File,
+    /// `None` when the change left the state as it was: nothing to rename.
+    tmp: Option<PathBuf>,
+    path: PathBuf,
+}
+
+impl Staged {
+    /// Renames the staged state into place (one atomic step readers can see) and releases the
+    /// lock.
+    pub fn commit(mut self) -> SimResult<()> {
+        match self.tmp.take() {
+            Some(tmp) => fs::rename(&tmp, &self.path).map_err(|e| {
+                SimError::Fixture(format!("writing state {}: {e}", self.path.display()))
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if let Some(tmp) = self.tmp.take() {
+            let _ = fs::remove_file(tmp);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node() -> Node {
+        Node::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/faults.yaml")).unwrap()
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("gpupool-sim-{}-{name}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// A staged change is invisible to readers until committed, and a dropped one is gone.
+    #[test]
+    fn staged_changes_are_seen_only_once_committed() {
+        let node = node();
+        let dir = scratch("stage");
+        let file = StateFile::at(dir.join("state.json"));
+        file.update(&node, |s| {
+            s.clock_s = Some(1.0);
+            Ok(())
+        })
+        .unwrap();
+
+        let (staged, out) = file
+            .stage(&node, |s| {
+                s.clock_s = Some(2.0);
+                Ok(7)
+            })
+            .unwrap();
+        assert_eq!(out, 7);
+        let on_disk: SimState =
+            serde_json::from_str(&fs::read_to_string(file.path()).unwrap()).unwrap();
+        assert_eq!(on_disk.clock_s, Some(1.0), "seen before the commit");
+        staged.commit().unwrap();
+        assert_eq!(file.read(&node).unwrap().clock_s, Some(2.0));
+
+        let (staged, ()) = file
+            .stage(&node, |s| {
+                s.clock_s = Some(3.0);
+                Ok(())
+            })
+            .unwrap();
+        drop(staged);
+        assert_eq!(
+            file.read(&node).unwrap().clock_s,
+            Some(2.0),
+            "dropped, yet applied"
+        );
+        let left: Vec<_> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.ends_with(".tmp"))
+            .collect();
+        assert!(left.is_empty(), "temp files left: {left:?}");
+
+        // No change: nothing staged, and the commit is a no-op.
+        let (staged, ()) = file.stage(&node, |_| Ok(())).unwrap();
+        staged.commit().unwrap();
+        assert_eq!(file.read(&node).unwrap().clock_s, Some(2.0));
+        fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -6,16 +6,22 @@
 //! - start → registered: spawn to the first device list of the last resource registered.
 //! - Allocate p50/p99: 10,000 Allocates of 2 whole GPUs (`nvidia.com/gpu`) over a unix-socket
 //!   gRPC client of their own, on a single-threaded runtime (see `allocate_loop`).
-//! - health event → ListAndWatch: an Xid 79 written into the fake's state file (as the driver
-//!   would raise it) until the stand-in sees that GPU Unhealthy. Both plugins learn of it
-//!   through `nvmlEventSetWait` on the fake, which wakes on the state file's write (inotify),
-//!   so the figures measure the plugins and the library's delivery, not a poll interval.
+//! - health event → ListAndWatch: an Xid 79 raised in the fake's state file (as the driver
+//!   would raise it) until the stand-in sees that GPU Unhealthy. The new state is staged
+//!   beside the file first and the clock starts at its rename, the one step any reader can
+//!   see (staged, the harness's own read, encode and write of the state are not in the
+//!   figure; the time they took is printed). Both plugins learn of it through
+//!   `nvmlEventSetWait` on the fake, which wakes on the rename (inotify), so the figures
+//!   measure the plugins and the library's delivery, not a poll interval.
 //!   NVIDIA's plugin never marks a device healthy again, so each GPU gives one sample per
 //!   plugin run; [`HEALTH_RUNS`] plugin runs give each side [`HEALTH_SAMPLES`] samples a bench
 //!   (four a side, as before, moved the p50 ratio from 1.2× to 2.6× between runs).
 //! - VmRSS of the plugin process after registration and after the 10,000 Allocates.
 //! - the Allocate transport floor: the same client against a server that answers at once
 //!   (`crate::floor`), the least any plugin can take here.
+//! - the health floor: the same Xids against a server that sends the new device list the
+//!   moment the NVML wait returns (`crate::floor`), the least any plugin can take here; what
+//!   is left of each side's figure above it is the plugin's own time.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -54,6 +60,8 @@ struct Figures {
     allocate: Vec<Duration>,
     health: Vec<Duration>,
     health_note: Option<String>,
+    /// How long staging each Xid took (the harness's part, outside `health`).
+    health_staging: Vec<Duration>,
     rss_registered_kib: Option<u64>,
     rss_after_kib: Option<u64>,
 }
@@ -143,7 +151,7 @@ pub async fn run(tools: &Tools, work: &Path) -> Result<()> {
         f.allocate = tokio::task::spawn_blocking(move || allocate_loop(&socket, &ids)).await??;
         f.rss_after_kib = vm_rss_kib(running.pid);
 
-        health_samples(&mut running, &node, f).await?;
+        f.health_note = health_samples(&mut running, &node, f).await?;
         running.stop().await;
         for _ in 1..HEALTH_RUNS {
             if f.health_note.is_some() {
@@ -154,31 +162,50 @@ pub async fn run(tools: &Tools, work: &Path) -> Result<()> {
                 plugins::start(side, &node, STRATEGY, &work, &tools.plugin, &tools.self_exe)
                     .await?;
             running.registered().await?;
-            health_samples(&mut running, &node, f).await?;
+            f.health_note = health_samples(&mut running, &node, f).await?;
             running.stop().await;
         }
     }
     node::reset_all(&node)?;
     let floor = floor_allocates(tools, &dir).await?;
-    print_table(&figures, &floor);
+    let mut health_floor = Figures::default();
+    for _ in 0..HEALTH_RUNS {
+        if health_floor.health_note.is_some() {
+            break;
+        }
+        node::reset_all(&node)?;
+        let mut running =
+            plugins::start_health_floor(&node, &dir.join("health-floor"), &tools.self_exe).await?;
+        running.registered().await?;
+        health_floor.health_note = health_samples(&mut running, &node, &mut health_floor).await?;
+        running.stop().await;
+    }
+    node::reset_all(&node)?;
+    print_table(&figures, &floor, &health_floor);
     Ok(())
 }
 
-/// One Xid 79 on each of [`HEALTH_GPUS`] in turn, each timed from the fake's state write until
-/// the stand-in's device list shows one more device Unhealthy (the advertised IDs carry no GPU
-/// index, so Unhealthy devices are counted). A timeout ends the side's samples with a note.
+/// One Xid 79 on each of [`HEALTH_GPUS`] in turn, each staged, then timed from its commit
+/// until the stand-in's device list shows one more device Unhealthy (the advertised IDs carry
+/// no GPU index, so Unhealthy devices are counted). A timeout ends the samples, and its note
+/// is returned.
 async fn health_samples(
     running: &mut plugins::Running,
     node: &node::FakeNode,
     f: &mut Figures,
-) -> Result<()> {
+) -> Result<Option<String>> {
     let unhealthy = |list: &[gpupool_device_plugin::plugin::api::v1beta1::Device]| {
         list.iter().filter(|d| d.health == "Unhealthy").count()
     };
     let injector = node::FaultInjector::open(node)?;
     for (n, gpu) in HEALTH_GPUS.into_iter().enumerate() {
+        let staging = Instant::now();
+        let staged = injector.stage_xid(gpu, 79)?;
+        f.health_staging.push(staging.elapsed());
         let t = Instant::now();
-        injector.xid(gpu, 79)?;
+        staged
+            .commit()
+            .map_err(|e| anyhow::anyhow!("raising Xid 79 on GPU {gpu}: {e}"))?;
         let seen = running
             .kubelet
             .wait_devices(RESOURCE, HEALTH_TIMEOUT, |list| unhealthy(list) > n)
@@ -186,14 +213,13 @@ async fn health_samples(
         match seen {
             Some(_) => f.health.push(t.elapsed()),
             None => {
-                f.health_note = Some(format!(
+                return Ok(Some(format!(
                     "Xid 79 on GPU {gpu} not reported Unhealthy within {HEALTH_TIMEOUT:?}"
-                ));
-                break;
+                )));
             }
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 /// [`ALLOCATES`] Allocates against the transport floor (`serve-floor`, see `crate::floor`), a
@@ -250,7 +276,7 @@ fn allocate_loop(socket: &Path, ids: &[String]) -> Result<Vec<Duration>> {
     })
 }
 
-fn print_table(figures: &BTreeMap<Side, Figures>, floor: &[Duration]) {
+fn print_table(figures: &BTreeMap<Side, Figures>, floor: &[Duration], health_floor: &Figures) {
     let (n, o) = (&figures[&Side::Nvidia], &figures[&Side::Gpupool]);
     let row = |name: &str, a: Option<f64>, b: Option<f64>, unit: &str| {
         let fmt = |v: Option<f64>| v.map_or("n/a".to_owned(), |v| format!("{v:.2} {unit}"));
@@ -341,6 +367,38 @@ fn print_table(figures: &BTreeMap<Side, Figures>, floor: &[Duration]) {
             (us - f) * 1e3,
             nv / f
         );
+    }
+    // The same for health: the floor's figure is the fake's delivery, the stand-in and one send.
+    for (name, x) in [("p50", 0.5), ("p90", 0.9)] {
+        let hf = &health_floor.health;
+        let (Some(f), Some(nv), Some(us)) = (q(hf, x), q(&n.health, x), q(&o.health, x)) else {
+            continue;
+        };
+        println!(
+            "\nXid 79 → Unhealthy {name} floor (the same Xids against a server that sends the new \
+             list the moment the NVML wait returns, a process of its own, n={}): {f:.2} ms; \
+             above it NVIDIA {:.2} ms, gpupool {:.2} ms; the best ratio any plugin could show \
+             here: {:.2}×",
+            hf.len(),
+            nv - f,
+            us - f,
+            nv / f
+        );
+    }
+    let staging: Vec<Duration> = figures
+        .values()
+        .chain([health_floor])
+        .flat_map(|f| f.health_staging.iter().copied())
+        .collect();
+    if let (Some(p50), Some(max)) = (q(&staging, 0.5), q(&staging, 1.0)) {
+        println!(
+            "\nstaging each Xid (read, change, encode and write the state beside the file; not in \
+             the health figures), n={}: p50 {p50:.2} ms, max {max:.2} ms",
+            staging.len()
+        );
+    }
+    if let Some(note) = &health_floor.health_note {
+        println!("\nnote (health floor): {note}");
     }
     for (side, f) in figures {
         if f.start_retried > 0 {

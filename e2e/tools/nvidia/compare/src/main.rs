@@ -12,7 +12,8 @@
 //!
 //! Internal children (each loads the fake library with one node's environment):
 //! `layout <node-dir> <layout>`, `ours-cdi <node-dir> <spec-dir>`,
-//! `serve-ours <node-dir> <kubelet-dir> <strategy>`, `serve-floor <socket>` (see [`floor`]).
+//! `serve-ours <node-dir> <kubelet-dir> <strategy>`, `serve-floor <socket>` and
+//! `serve-health-floor <node-dir> <kubelet-dir>` (see [`floor`]).
 
 mod bench;
 mod cdi_cmp;
@@ -108,6 +109,10 @@ fn main() -> Result<()> {
             &arg(&args, 4, "strategy")?,
         )),
         "serve-floor" => floor::serve(Path::new(&arg(&args, 2, "socket")?)),
+        "serve-health-floor" => floor::serve_health(
+            Path::new(&arg(&args, 2, "node dir")?),
+            Path::new(&arg(&args, 3, "kubelet dir")?),
+        ),
         other => bail!("unknown command {other:?}"),
     }
 }

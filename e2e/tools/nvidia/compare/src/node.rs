@@ -276,8 +276,9 @@ fn sim_state(node: &FakeNode) -> Result<(model::Node, model::StateFile)> {
 }
 
 /// Injects faults through the state file, as another process on the node would see a driver
-/// event. The fixture is loaded once, so a timed injection is the state file's write (the
-/// moment the driver would raise the event), not the fixture's parse.
+/// event. The fixture is loaded once, and a fault is staged before it is raised, so a timed
+/// injection is the state file's rename (the moment the driver would raise the event), not the
+/// fixture's parse or the state's read, encode and write.
 pub struct FaultInjector {
     sim: model::Node,
     state: model::StateFile,
@@ -290,11 +291,13 @@ impl FaultInjector {
         Ok(FaultInjector { sim, state })
     }
 
-    /// Injects an Xid on a GPU "now".
-    pub fn xid(&self, gpu: u32, xid: u64) -> Result<()> {
+    /// Stages an Xid on a GPU "now": the changed state is written beside the state file, and
+    /// the fault is raised (seen by any reader) when the returned change is committed.
+    pub fn stage_xid(&self, gpu: u32, xid: u64) -> Result<model::Staged> {
         let sim = &self.sim;
-        self.state
-            .update(sim, |s| {
+        let (staged, _) = self
+            .state
+            .stage(sim, |s| {
                 let now = s.clock_s.unwrap_or(0.0);
                 s.inject(
                     sim,
@@ -309,7 +312,7 @@ impl FaultInjector {
                 )
             })
             .map_err(|e| anyhow::anyhow!("injecting Xid {xid} on GPU {gpu}: {e}"))?;
-        Ok(())
+        Ok(staged)
     }
 }
 

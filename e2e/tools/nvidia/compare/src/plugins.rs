@@ -142,6 +142,25 @@ pub async fn start(
     }
 }
 
+/// Starts the health floor (`crate::floor`, the `serve-health-floor` child) in `work` (a fresh
+/// directory), registered with a stand-in as the plugins are.
+pub async fn start_health_floor(node: &FakeNode, work: &Path, self_exe: &Path) -> Result<Running> {
+    if work.exists() {
+        fs::remove_dir_all(work)?;
+    }
+    let plugin_dir = short_path(&work.join("kubelet"))?;
+    let kubelet = KubeletStandin::start(&plugin_dir).await?;
+    let mut command = Command::new(self_exe);
+    command
+        .arg("serve-health-floor")
+        .arg(&node.dir)
+        .arg(&plugin_dir);
+    for (k, v) in node.env() {
+        command.env(k, v);
+    }
+    spawn(command, kubelet, &work.join("floor.log"))
+}
+
 /// A short symlink to `dir` in the temp directory: unix socket paths are limited to 107 bytes,
 /// and `<work>/<scenario>/…/kubelet/device-plugins/nvidia-mig-1g.10gb.sock` can exceed that
 /// (the stand-in's dial-back then fails with a transport error). Made once per directory.
