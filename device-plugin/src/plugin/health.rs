@@ -268,7 +268,15 @@ impl HealthTracker {
 
     /// The health of one device given its ID and parent GPU.
     pub fn device_health(&self, id: &DeviceId, parent_gpu: u32) -> Health {
-        let own = self.faults.get(&HealthTarget::Device(id.clone()));
+        self.health_of(id, parent_gpu, true)
+    }
+
+    /// [`HealthTracker::device_health`]; `device_faults: false` says no device-level fault is
+    /// tracked, which spares building a key (a copy of the ID) for each device looked up.
+    fn health_of(&self, id: &DeviceId, parent_gpu: u32, device_faults: bool) -> Health {
+        let own = device_faults
+            .then(|| self.faults.get(&HealthTarget::Device(id.clone())))
+            .flatten();
         let parent = self.faults.get(&HealthTarget::Gpu(parent_gpu));
         match own.or(parent) {
             None => Health::Healthy,
@@ -281,11 +289,20 @@ impl HealthTracker {
     /// `base` with every device's health set from the tracked faults.
     pub fn overlay(&self, base: &Advertisement) -> Advertisement {
         let mut out = base.clone();
+        if self.faults.is_empty() {
+            // Every device tracked Healthy: each keeps the health it is advertised with.
+            return out;
+        }
+        let device_faults = self
+            .faults
+            .keys()
+            .any(|t| matches!(t, HealthTarget::Device(_)));
         for devices in out.resources.values_mut() {
             for device in devices.iter_mut() {
                 // A replica is as healthy as the device it shares. A device the agent already
                 // advertises Unhealthy (an MPS replica whose server is down) stays so.
-                let tracked = self.device_health(device.underlying(), device.parent_gpu);
+                let tracked =
+                    self.health_of(device.underlying(), device.parent_gpu, device_faults);
                 if !tracked.is_healthy() || device.health.is_healthy() {
                     device.health = tracked;
                 }

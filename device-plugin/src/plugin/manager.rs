@@ -123,7 +123,9 @@ pub async fn run_plugins(
                     advertisement_open = false;
                     continue;
                 }
-                let next = advertisement.borrow_and_update().clone();
+                // Read in place (reconcile neither awaits nor touches this channel): the
+                // advertisement is not copied on each health change.
+                let next = advertisement.borrow_and_update();
                 manager.reconcile(&next);
             }
             Some(done) = manager.registrations.join_next() => match done {
