@@ -33,4 +33,4 @@ pub use state::{
     CiState, Clear, EventKey, GiState, GpuState, InjectedFault, SimEvent, SimHealth, SimMigDevice,
     SimProcess, SimState, XID_FALLEN_OFF_BUS, event_type,
 };
-pub use state_file::{Staged, StateFile};
+pub use state_file::{Staged, StateCache, StateFile};

@@ -4,6 +4,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use crate::error::{SimError, SimResult};
 use crate::node::Node;
@@ -40,36 +41,30 @@ impl StateFile {
     }
 
     fn lock(&self) -> SimResult<File> {
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&self.lock_path)
-            .map_err(|e| {
-                SimError::Fixture(format!("opening lock {}: {e}", self.lock_path.display()))
-            })?;
+        // Read-only once it exists: closing a file opened for writing is an inotify
+        // IN_CLOSE_WRITE in the state file's directory, which every event waiter of every
+        // process would wake for on every read.
+        let file = match File::open(&self.lock_path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&self.lock_path),
+            other => other,
+        }
+        .map_err(|e| {
+            SimError::Fixture(format!("opening lock {}: {e}", self.lock_path.display()))
+        })?;
         file.lock()
             .map_err(|e| SimError::Fixture(format!("locking {}: {e}", self.lock_path.display())))?;
         Ok(file)
     }
 
-    fn read_unlocked(&self, node: &Node) -> SimResult<SimState> {
+    /// The state's text; `None` when the file does not exist yet.
+    fn text_unlocked(&self) -> SimResult<Option<String>> {
         match fs::read_to_string(&self.path) {
-            Ok(text) => {
-                let state: SimState = serde_json::from_str(&text).map_err(|e| {
-                    SimError::Fixture(format!("parsing state {}: {e}", self.path.display()))
-                })?;
-                if state.gpus.len() != node.gpus.len() {
-                    return Err(SimError::Fixture(format!(
-                        "state {} is for {} GPUs; the fixture has {}",
-                        self.path.display(),
-                        state.gpus.len(),
-                        node.gpus.len()
-                    )));
-                }
-                Ok(state)
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(SimState::boot(node)),
+            Ok(text) => Ok(Some(text)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(SimError::Fixture(format!(
                 "reading state {}: {e}",
                 self.path.display()
@@ -77,10 +72,54 @@ impl StateFile {
         }
     }
 
+    fn parse(&self, node: &Node, text: &str) -> SimResult<SimState> {
+        let state: SimState = serde_json::from_str(text).map_err(|e| {
+            SimError::Fixture(format!("parsing state {}: {e}", self.path.display()))
+        })?;
+        if state.gpus.len() != node.gpus.len() {
+            return Err(SimError::Fixture(format!(
+                "state {} is for {} GPUs; the fixture has {}",
+                self.path.display(),
+                state.gpus.len(),
+                node.gpus.len()
+            )));
+        }
+        Ok(state)
+    }
+
+    fn read_unlocked(&self, node: &Node) -> SimResult<SimState> {
+        match self.text_unlocked()? {
+            Some(text) => self.parse(node, &text),
+            None => Ok(SimState::boot(node)),
+        }
+    }
+
     /// Reads the state (the boot state when the file does not exist yet).
     pub fn read(&self, node: &Node) -> SimResult<SimState> {
         let _lock = self.lock()?;
         self.read_unlocked(node)
+    }
+
+    /// [`StateFile::read`], parsing only when the text differs from the last read through
+    /// `cache`: the file is still read on every call (under the lock, so a change is never
+    /// missed), but a caller that reads an unchanged state many times (every NVML call of the
+    /// fake library, every event waiter woken by another's change) pays for one parse.
+    pub fn read_cached(&self, node: &Node, cache: &StateCache) -> SimResult<Arc<SimState>> {
+        let text = {
+            let _lock = self.lock()?;
+            self.text_unlocked()?
+        };
+        let Some(text) = text else {
+            return Ok(Arc::new(SimState::boot(node)));
+        };
+        if let Some((last, state)) = cache.lock().as_ref()
+            && *last == text
+        {
+            return Ok(Arc::clone(state));
+        }
+        let state = Arc::new(self.parse(node, &text)?);
+        *cache.lock() = Some((text, Arc::clone(&state)));
+        Ok(state)
     }
 
     /// Read-modify-write under the lock; the file is replaced atomically, and only when the
@@ -129,6 +168,17 @@ impl StateFile {
             staged.tmp = Some(tmp);
         }
         Ok((staged, out))
+    }
+}
+
+/// The last state [`StateFile::read_cached`] parsed, with its text. One per process that
+/// shares it among threads.
+#[derive(Debug, Default)]
+pub struct StateCache(Mutex<Option<(String, Arc<SimState>)>>);
+
+impl StateCache {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(String, Arc<SimState>)>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -227,6 +277,40 @@ mod tests {
         let (staged, ()) = file.stage(&node, |_| Ok(())).unwrap();
         staged.commit().unwrap();
         assert_eq!(file.read(&node).unwrap().clock_s, Some(2.0));
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A cached read parses once per text: an unchanged state comes back as the same value,
+    /// and any change, even one that keeps the file's size, is seen by the next read.
+    #[test]
+    fn cached_reads_parse_once_per_change() {
+        let node = node();
+        let dir = scratch("cache");
+        let file = StateFile::at(dir.join("state.json"));
+        let cache = StateCache::default();
+        assert_eq!(
+            *file.read_cached(&node, &cache).unwrap(),
+            SimState::boot(&node),
+            "no file yet: the boot state"
+        );
+        let set_clock = |at: f64| {
+            file.update(&node, |s| {
+                s.clock_s = Some(at);
+                Ok(())
+            })
+            .unwrap();
+        };
+        set_clock(1.0);
+        let first = file.read_cached(&node, &cache).unwrap();
+        let again = file.read_cached(&node, &cache).unwrap();
+        assert_eq!(first.clock_s, Some(1.0));
+        assert!(Arc::ptr_eq(&first, &again), "unchanged, yet parsed again");
+        let size = fs::metadata(file.path()).unwrap().len();
+        set_clock(2.0);
+        assert_eq!(fs::metadata(file.path()).unwrap().len(), size);
+        let changed = file.read_cached(&node, &cache).unwrap();
+        assert_eq!(changed.clock_s, Some(2.0), "a same-size change was missed");
+        assert_eq!(*changed, file.read(&node).unwrap());
         fs::remove_dir_all(dir).unwrap();
     }
 }

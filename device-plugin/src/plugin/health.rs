@@ -301,8 +301,7 @@ impl HealthTracker {
             for device in devices.iter_mut() {
                 // A replica is as healthy as the device it shares. A device the agent already
                 // advertises Unhealthy (an MPS replica whose server is down) stays so.
-                let tracked =
-                    self.health_of(device.underlying(), device.parent_gpu, device_faults);
+                let tracked = self.health_of(device.underlying(), device.parent_gpu, device_faults);
                 if !tracked.is_healthy() || device.health.is_healthy() {
                     device.health = tracked;
                 }

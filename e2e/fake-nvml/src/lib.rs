@@ -36,7 +36,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use gpupool_sim::{
-    EventKey, Node, SimError, SimGpu, SimHealth, SimMigDevice, SimState, StateFile, arch,
+    EventKey, Node, SimError, SimGpu, SimHealth, SimMigDevice, SimState, StateCache, StateFile,
+    arch,
 };
 use nvml_wrapper_sys::bindings as sys;
 use sys::{nvmlComputeInstance_t, nvmlDevice_t, nvmlEventSet_t, nvmlGpuInstance_t, nvmlReturn_t};
@@ -93,6 +94,10 @@ struct Ctx {
     /// Whether this process is in the fixture's PID namespace, so its processes are listed.
     sees_processes: bool,
     state: StateFile,
+    /// The last state this process parsed: calls on an unchanged state (all of them but the
+    /// first after a change) read the file but do not parse it, as a driver answers from what
+    /// it holds.
+    cache: StateCache,
     start: Instant,
 }
 
@@ -123,8 +128,8 @@ impl Ctx {
             .map(|i| i as u32)
     }
 
-    fn read(&self) -> R<(SimState, f64)> {
-        let state = sim(self.state.read(&self.node))?;
+    fn read(&self) -> R<(Arc<SimState>, f64)> {
+        let state = sim(self.state.read_cached(&self.node, &self.cache))?;
         let now = state
             .clock_s
             .unwrap_or_else(|| self.start.elapsed().as_secs_f64());
@@ -191,6 +196,7 @@ fn init() -> R {
         visible,
         sees_processes,
         state,
+        cache: StateCache::default(),
         start: Instant::now(),
     }));
     g.refcount = 1;
