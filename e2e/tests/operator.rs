@@ -616,6 +616,33 @@ async fn cluster_events(client: &kube::Client, name: &str) -> Result<Vec<Event>>
         .collect())
 }
 
+/// Waits until a dry-run pool label on `node` is refused with 403 (`refused`) or goes through.
+async fn wait_policy_in_force(nodes: &Api<Node>, node: &str, refused: bool) -> Result<()> {
+    let what = if refused {
+        "the admission policy in force"
+    } else {
+        "the admission policy lifted"
+    };
+    wait::poll(what, REACT, POLL, || {
+        let nodes = nodes.clone();
+        async move {
+            let dry = PatchParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            let patch = json!({ "metadata": { "labels": { POOL_LABEL: "x" } } });
+            let now_refused = match nodes.patch(node, &dry, &Patch::Merge(&patch)).await {
+                Err(kube::Error::Api(s)) if s.code == 403 => true,
+                Ok(_) => false,
+                // Anything else (a conflict, a timeout) says nothing about the policy: ask again.
+                Err(_) => return Ok(None),
+            };
+            Ok((now_refused == refused).then_some(()))
+        }
+    })
+    .await
+}
+
 fn api_errors(pool: &GpuPool) -> Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
     pool.status
         .as_ref()?
@@ -641,22 +668,7 @@ async fn a_refused_node_patch_shows_in_the_pool_status_until_it_goes_through() -
     let binding = refuse_pool_label(cluster, &scope, &node)?;
     // Policies take effect a moment after they are created: wait until a dry run is refused.
     let nodes: Api<Node> = Api::all(client.clone());
-    wait::poll("the admission policy in force", REACT, POLL, || {
-        let nodes = nodes.clone();
-        let node = node.clone();
-        async move {
-            let dry = PatchParams {
-                dry_run: true,
-                ..Default::default()
-            };
-            let patch = json!({ "metadata": { "labels": { POOL_LABEL: "x" } } });
-            match nodes.patch(&node, &dry, &Patch::Merge(&patch)).await {
-                Err(kube::Error::Api(s)) if s.code == 403 => Ok(Some(())),
-                _ => Ok(None),
-            }
-        }
-    })
-    .await?;
+    wait_policy_in_force(&nodes, &node, true).await?;
 
     let op = Operator::start(cluster, &scope, "only", &scope.name("lease"))?;
     let pool_name = scope.name("train");
@@ -714,6 +726,10 @@ async fn a_refused_node_patch_shows_in_the_pool_status_until_it_goes_through() -
         &binding,
         "--wait=true",
     ])?;
+    // Lifting takes a moment too. A nudge that still meets the refusal would be one more
+    // failure, and by now the operator's backoff may be minutes (each failure doubles it): the
+    // nudge goes in once a dry run passes.
+    wait_policy_in_force(&nodes, &node, false).await?;
     let pools: Api<GpuPool> = Api::all(client.clone());
     pools
         .patch(
