@@ -13,12 +13,15 @@ use crate::node::{
 
 /// The status a node agent reports for `gn` when all is well: 8 healthy GPUs, driver
 /// 550.54.15 with CUDA 12.4, validated, a CDI spec written, MIG `Applied` when the spec
-/// manages it (else `Idle`), and the GpuNode's generation observed. Tests edit the result to
-/// make the node unwell.
+/// manages it (else `Idle`), the GpuNode's generation observed, and a heartbeat stamped now,
+/// as every agent stamps its writes. Tests edit the result to make the node unwell.
 pub fn healthy_status(gn: &GpuNode) -> GpuNodeStatus {
     let generation = gn.metadata.generation;
     GpuNodeStatus {
         observed_generation: generation,
+        heartbeat_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            Timestamp::now(),
+        )),
         driver_version: Some("550.54.15".into()),
         cuda_version: Some("12.4".into()),
         gpu_count: 8,

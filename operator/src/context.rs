@@ -7,15 +7,18 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use gpupool_crds::pool::{ReclaimRecord, ReclaimStatus};
 use gpupool_crds::{GpuNode, GpuPool};
 use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Pod};
+use k8s_openapi::jiff::SignedDuration;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::PartialObjectMeta;
 use kube::core::DeserializeGuard;
 use kube::runtime::events::{Event, Recorder};
 use kube::runtime::reflector::Store;
-use tracing::warn;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
 
 use crate::cache::CachedNode;
 use crate::liveness::Liveness;
@@ -128,9 +131,73 @@ pub struct Context {
     pub liveness: Arc<Liveness>,
     /// Per pool, the resourceVersion the API server gave this process's last status write.
     pub written: Mutex<HashMap<String, String>>,
+    /// Cancelled the moment this replica may no longer act: its leader Lease is lost, or it is
+    /// shutting down. Every disruptive write asks [`Context::may_act`] first, so a reconcile
+    /// still running when leadership ends writes nothing disruptive after that.
+    pub acting: CancellationToken,
+    /// The reclaim actions this process took, per pool, beside the pool status's history: a
+    /// status write that fails after an eviction must not let the next pass spend the rate
+    /// limit again ([`ActionLedger`]).
+    pub ledger: ActionLedger,
+}
+
+/// The counted reclaim actions this process took, per pool, kept until they leave the widest
+/// rate-limit window seen. The history in pool status is the record that survives a restart;
+/// this is the one that survives a failed status write: each pass puts back into the status
+/// any action of the ledger it lacks before the rate limit is asked.
+#[derive(Debug, Default)]
+pub struct ActionLedger {
+    taken: Mutex<HashMap<String, Vec<ReclaimRecord>>>,
+}
+
+impl ActionLedger {
+    /// Notes an action taken on `pool`.
+    pub fn note(&self, pool: &str, record: ReclaimRecord) {
+        self.taken
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(pool.to_owned())
+            .or_default()
+            .push(record);
+    }
+
+    /// The actions on `pool` that `status` does not hold, oldest first; forgets those older
+    /// than `window` at `now`.
+    pub fn missing_from(
+        &self,
+        pool: &str,
+        status: &ReclaimStatus,
+        window: SignedDuration,
+        now: Timestamp,
+    ) -> Vec<ReclaimRecord> {
+        let mut taken = self.taken.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(records) = taken.get_mut(pool) else {
+            return Vec::new();
+        };
+        records.retain(|r| now.duration_since(r.time.0) < window);
+        let missing = records
+            .iter()
+            .filter(|r| !status.history.contains(r))
+            .cloned()
+            .collect();
+        if records.is_empty() {
+            taken.remove(pool);
+        }
+        missing
+    }
 }
 
 impl Context {
+    /// Whether this replica may still take a disruptive action (evict, suspend, deactivate,
+    /// delete); logged when it may not.
+    pub fn may_act(&self) -> bool {
+        let ok = !self.acting.is_cancelled();
+        if !ok {
+            info!("no longer leading (or shutting down): disruptive writes stop here");
+        }
+        ok
+    }
+
     /// The resourceVersion of this process's last status write to `pool`, if any.
     pub fn written_version(&self, pool: &str) -> Option<String> {
         self.written

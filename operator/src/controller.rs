@@ -30,7 +30,8 @@ use crate::cache::{
     CachedNode, CachedPod, SharedSpecs, WatchedNode, WatchedPod, cached_event, keep_pod,
 };
 use crate::context::{
-    Context, FIELD_MANAGER, GPUNODE_LIST_PAGE, InitialList, LIST_PAGE, POD_LIST_PAGE, Settings,
+    ActionLedger, Context, FIELD_MANAGER, GPUNODE_LIST_PAGE, InitialList, LIST_PAGE, POD_LIST_PAGE,
+    Settings,
 };
 use crate::error::{Error, Failures, Result};
 use crate::liveness::Liveness;
@@ -418,7 +419,13 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
 
     // MIG drains and idle reclamation.
     let member_gns: Vec<&GpuNode> = members.iter().filter_map(|m| m.gpunode).collect();
-    let pods_to_drain = drain::run(pool, &member_gns, ctx, now, &mut failures).await;
+    // A drain evicts only on a report the operator can vouch for (see crate::liveness).
+    let vouched: BTreeSet<&str> = members
+        .iter()
+        .filter(|m| m.node_ready && m.agent.is_live())
+        .map(|m| m.node)
+        .collect();
+    let pods_to_drain = drain::run(pool, &member_gns, &vouched, ctx, now, &mut failures).await;
     let previous_reclaim = pool
         .status
         .as_ref()
@@ -794,6 +801,8 @@ pub async fn run(
         evict_retry: Mutex::default(),
         liveness,
         written: Mutex::default(),
+        acting: shutdown.clone(),
+        ledger: ActionLedger::default(),
     });
 
     // A node change concerns the pools that match it and the pool its label names.

@@ -11,7 +11,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
 use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::context::Context;
 use crate::demand::requests_gpu;
@@ -68,10 +68,14 @@ fn placements(gn: &GpuNode) -> BTreeMap<(String, String), BTreeSet<u32>> {
 }
 
 /// Evicts the GPU pods of draining nodes; returns how many are still to go. Evictions the API
-/// server refuses (RBAC) are noted in `failures` for the pool's status.
+/// server refuses (RBAC) are noted in `failures` for the pool's status. Pods are evicted only
+/// from nodes in `vouched` (Node Ready, agent live): a `Draining` report nobody can vouch for
+/// (an agent dead since, an operator just started) counts its pods as still to go and evicts
+/// none.
 pub async fn run(
     pool: &GpuPool,
     gpunodes: &[&GpuNode],
+    vouched: &BTreeSet<&str>,
     ctx: &Context,
     _now: Timestamp,
     failures: &mut Failures,
@@ -97,9 +101,13 @@ pub async fn run(
             .filter(|p| p.node_name() == Some(node.as_str()))
             .map(|p| p.to_pod())
             .collect();
+        let act = vouched.contains(node.as_str());
+        if !act {
+            debug!(node = %node, "draining, but its report is not vouched for: holding");
+        }
         for pod in pods_to_drain(gn, &on_node) {
             remaining += 1;
-            if pod.metadata.deletion_timestamp.is_some() {
+            if !act || pod.metadata.deletion_timestamp.is_some() || !ctx.may_act() {
                 continue;
             }
             let ns = pod.namespace().unwrap_or_default();

@@ -157,6 +157,8 @@ impl Fixture {
             evict_retry: Mutex::default(),
             liveness: Arc::default(),
             written: Mutex::default(),
+            acting: tokio_util::sync::CancellationToken::new(),
+            ledger: crate::context::ActionLedger::default(),
         });
         Self {
             ctx,
@@ -178,11 +180,14 @@ impl Fixture {
             .apply_watcher_event(&watcher::Event::Apply(n.clone().into()));
     }
 
-    /// A GpuNode, delivered now (its agent counts as live).
+    /// A GpuNode, delivered now. Its agent counts as live when its status carries a stamp: the
+    /// operator saw the GpuNode before that stamp (as when it created it), then the stamp arrive.
     fn gpunode(&mut self, g: &GpuNode) {
         self.gpunodes
             .apply_watcher_event(&watcher::Event::Apply(g.clone()));
-        self.ctx.liveness.observe_gpunode(g, Timestamp::now());
+        let now = Timestamp::now();
+        self.ctx.liveness.observe(&g.name_any(), None, now);
+        self.ctx.liveness.observe_gpunode(g, now);
     }
 }
 
@@ -900,4 +905,153 @@ async fn a_refused_gpunode_write_does_not_stop_the_rest_of_the_reconcile() {
     ];
     let error = run_failing(f, &p, expected, handle).await;
     assert!(error.to_string().contains("applying GpuNode n1"), "{error}");
+}
+
+/// An eviction whose status write the API server then refuses: the history that carries it is
+/// lost with the write, but the next pass does not spend the rate limit again. It finds the
+/// action in the ledger, leaves the still-listed pod alone (one action allowed per window) and
+/// writes the history back.
+#[tokio::test]
+async fn a_refused_status_write_after_an_eviction_does_not_spend_the_rate_limit_twice() {
+    use gpupool_crds::policy::ReclaimAction;
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let (mut f, mut p) = idle_job_fixture(Client::new(service, "default"));
+    p.spec.reclaim.action = ReclaimAction::Evict;
+    p.spec.reclaim.rate_limit.max_actions = 1;
+    f.pool(&p);
+    let success = serde_json::json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"});
+    let unavailable = serde_json::json!({
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": "etcdserver: request timed out", "reason": "InternalError", "code": 500,
+    });
+    let first = vec![
+        Expect {
+            answer: Some(success),
+            ..expect(Method::POST, "/namespaces/ml/pods/w/eviction", |_| {})
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "Reclaimed");
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReclaimAction")
+        }),
+        Expect {
+            answer: Some(unavailable),
+            status: 500,
+            ..expect(Method::PATCH, "/gpupools/p/status", |_| {})
+        },
+    ];
+    let verifier = tokio::spawn(verify(handle, first));
+    let result = reconcile(guard(&p), f.ctx.clone()).await;
+    assert!(result.is_err(), "the refused status write is an error");
+
+    // The pod is still listed (its eviction has not reached the cache) and its warning is
+    // long past: only the ledger knows it was already acted on.
+    let (service, handle2) = mock::pair::<Request<Body>, Response<Body>>();
+    let answer = serde_json::to_value(&p).unwrap();
+    if let Some(ctx) = Arc::get_mut(&mut f.ctx) {
+        ctx.client = Client::new(service.clone(), "default");
+        ctx.evict_client = Client::new(service.clone(), "default");
+        ctx.recorder = Recorder::new(
+            Client::new(service, "default"),
+            Reporter {
+                controller: "gpupool-operator".into(),
+                instance: None,
+            },
+        );
+    } else {
+        panic!("the context is shared");
+    }
+    verifier.await.unwrap();
+    let second = vec![
+        Expect {
+            answer: Some(answer),
+            ..expect(Method::PATCH, "/gpupools/p/status", |body| {
+                let h = body["status"]["reclaim"]["history"].as_array().unwrap();
+                assert_eq!(h.len(), 1, "{h:?}");
+                assert_eq!(h[0]["pod"], "ml/w");
+                assert_eq!(h[0]["result"], "Succeeded");
+                assert_eq!(body["status"]["reclaim"]["reclaimed"], 1);
+            })
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReadyTrue")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ConflictFalse")
+        }),
+    ];
+    run(f, &p, second, handle2).await;
+}
+
+/// Leadership lost (or shutdown begun) while a reconcile runs: it writes nothing disruptive
+/// from then on, though the pod is past its deadline.
+#[tokio::test]
+async fn a_lost_lease_stops_disruptive_writes_at_once() {
+    use gpupool_crds::policy::ReclaimAction;
+    for action in [ReclaimAction::Evict, ReclaimAction::Auto] {
+        let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let (mut f, mut p) = idle_job_fixture(Client::new(service, "default"));
+        p.spec.reclaim.action = action;
+        f.pool(&p);
+        f.ctx.acting.cancel();
+        let answer = serde_json::to_value(&p).unwrap();
+        let expected = vec![
+            Expect {
+                answer: Some(answer),
+                ..expect(Method::PATCH, "/gpupools/p/status", |body| {
+                    assert_eq!(body["status"]["reclaim"]["history"], Value::Null, "{body}");
+                })
+            },
+            expect(Method::POST, "/events", |body| {
+                assert_eq!(body["reason"], "ReadyTrue")
+            }),
+            expect(Method::POST, "/events", |body| {
+                assert_eq!(body["reason"], "ConflictFalse")
+            }),
+        ];
+        run(f, &p, expected, handle).await;
+    }
+}
+
+/// An operator (re)started into a cluster whose agent last wrote two hours ago, "idle": the
+/// report is shown (Ready, with the node named as unconfirmed) but nothing is done on it, not
+/// even with the pod long past its deadline.
+#[tokio::test]
+async fn a_report_first_seen_after_a_restart_is_not_acted_on() {
+    use gpupool_crds::policy::ReclaimAction;
+    use k8s_openapi::jiff::SignedDuration;
+    for action in [ReclaimAction::Evict, ReclaimAction::Auto] {
+        let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let (mut f, mut p) = idle_job_fixture(Client::new(service, "default"));
+        p.spec.reclaim.action = action;
+        f.pool(&p);
+        let now = Timestamp::now();
+        let two_hours_ago = now.checked_sub(SignedDuration::from_hours(2)).unwrap();
+        f.ctx.liveness.forget("n1");
+        f.ctx.liveness.observe("n1", Some(two_hours_ago), now);
+        let answer = serde_json::to_value(&p).unwrap();
+        let expected = vec![
+            Expect {
+                answer: Some(answer),
+                ..expect(Method::PATCH, "/gpupools/p/status", |body| {
+                    assert_eq!(body["status"]["reclaim"]["history"], Value::Null, "{body}");
+                    let problems = body["status"]["problems"].as_array().unwrap();
+                    assert!(
+                        problems
+                            .iter()
+                            .any(|pr| pr["node"] == "n1" && pr["reason"] == "AgentUnconfirmed"),
+                        "{problems:?}"
+                    );
+                })
+            },
+            expect(Method::POST, "/events", |body| {
+                assert_eq!(body["reason"], "ReadyTrue")
+            }),
+            expect(Method::POST, "/events", |body| {
+                assert_eq!(body["reason"], "ConflictFalse")
+            }),
+        ];
+        run(f, &p, expected, handle).await;
+    }
 }

@@ -8,6 +8,14 @@
 //! one thing: the skew between the node's clock and ours, measured when a new stamp arrives,
 //! with which the node's `idleSince` times are read on the operator's clock.
 //!
+//! A stamp the operator has not *seen change* vouches for nothing: the first sighting of a
+//! GpuNode (at start, after a leader change) may carry a stamp hours old from an agent that has
+//! crash-looped since, and the node's clock cannot be read against ours until a change was
+//! seen. Such an agent is [`AgentLiveness::Unconfirmed`] until its next stamp arrives (within
+//! one heartbeat interval for a live agent): its report still describes the node, but nothing
+//! disruptive (evict, suspend, deactivate, drain) is done on it. A GpuNode that carries no stamp
+//! at all is never live.
+//!
 //! Everything here is a pure function of what was seen and when; [`Liveness`] only keeps the
 //! last sighting per node.
 
@@ -35,6 +43,9 @@ pub struct Sighting {
     /// Node clock minus ours, measured when a stamp changed while we watched. `None` until
     /// then: a stamp found in the first list may be a minute old, which is no skew.
     pub skew: Option<SignedDuration>,
+    /// Whether this operator saw the stamp change to its current value while it watched: only
+    /// then is the stamp known to have been written recently.
+    pub confirmed: bool,
 }
 
 /// Records `heartbeat`, seen at `now`, after `prev`.
@@ -45,11 +56,13 @@ pub fn observe(prev: Option<&Sighting>, heartbeat: Option<Timestamp>, now: Times
             heartbeat,
             seen_at: now,
             skew: heartbeat.map(|hb| hb.duration_since(now)).or(p.skew),
+            confirmed: heartbeat.is_some(),
         },
         None => Sighting {
             heartbeat,
             seen_at: now,
             skew: None,
+            confirmed: false,
         },
     }
 }
@@ -59,6 +72,14 @@ pub fn observe(prev: Option<&Sighting>, heartbeat: Option<Timestamp>, now: Times
 pub enum AgentLiveness {
     /// Not seen yet (no GpuNode status, or the operator has just started).
     Unknown,
+    /// Seen, but no stamp change seen yet: the first sighting after this operator started, or
+    /// a GpuNode with no stamp at all. Its report describes the node; nothing is done on it.
+    Unconfirmed {
+        /// Whether the GpuNode carries a stamp at all.
+        stamped: bool,
+        /// How long the operator has waited for a new stamp.
+        waited: Duration,
+    },
     /// Stamped within the staleness limit. `skew`: node clock minus ours, when measured and
     /// beyond [`SKEW_TOLERANCE`].
     Live { skew: Option<SignedDuration> },
@@ -70,6 +91,16 @@ impl AgentLiveness {
     /// Whether what the agent reported can be acted on.
     pub fn is_live(&self) -> bool {
         matches!(self, AgentLiveness::Live { .. })
+    }
+
+    /// Whether the agent's last report may be shown as the node's state (counted healthy,
+    /// ready): live, or stamped and waiting for its first change after this operator started.
+    /// Acting on it needs [`AgentLiveness::is_live`].
+    pub fn describes_node(&self) -> bool {
+        matches!(
+            self,
+            AgentLiveness::Live { .. } | AgentLiveness::Unconfirmed { stamped: true, .. }
+        )
     }
 
     /// The measured skew beyond tolerance, if any.
@@ -91,6 +122,12 @@ pub fn judge(sighting: Option<&Sighting>, now: Timestamp, stale_after: Duration)
     if silent > limit {
         return AgentLiveness::Stale {
             silent_for: Duration::try_from(silent).unwrap_or(stale_after),
+        };
+    }
+    if !s.confirmed {
+        return AgentLiveness::Unconfirmed {
+            stamped: s.heartbeat.is_some(),
+            waited: Duration::try_from(silent).unwrap_or_default(),
         };
     }
     let tolerance = SignedDuration::try_from(SKEW_TOLERANCE).unwrap_or(SignedDuration::ZERO);
@@ -158,11 +195,14 @@ mod tests {
 
     #[test]
     fn staleness_runs_on_the_operators_clock_from_the_last_change_seen() {
-        // First seen at 0 with a stamp from 50 s before: fresh, no skew measured.
+        // First seen at 0 with a stamp from 50 s before: not yet confirmed, no skew measured.
         let s0 = observe(None, Some(t(-50)), t(0));
         assert_eq!(
             judge(Some(&s0), t(100), LIMIT),
-            AgentLiveness::Live { skew: None }
+            AgentLiveness::Unconfirmed {
+                stamped: true,
+                waited: Duration::from_secs(100)
+            }
         );
         // The same stamp again changes nothing; past the limit it is stale.
         let s1 = observe(Some(&s0), Some(t(-50)), t(170));
@@ -203,6 +243,53 @@ mod tests {
         assert_eq!(judge(Some(&near), t(63), LIMIT).skew(), None);
     }
 
+    /// An operator (re)started into a cluster finds a report whose stamp is two hours old: the
+    /// agent behind it has been dead all that time. That first sighting vouches for nothing,
+    /// whatever the stamp says, until a new stamp is seen arrive; a GpuNode with no stamp at
+    /// all is never live, however often it is written.
+    #[test]
+    fn a_first_sighting_or_a_missing_stamp_is_never_live() {
+        let hours_old = observe(None, Some(t(-7200)), t(0));
+        for at in [0, 1, 60, 179] {
+            let j = judge(Some(&hours_old), t(at), LIMIT);
+            assert!(!j.is_live(), "live at {at}s on a first sighting: {j:?}");
+            assert!(matches!(
+                j,
+                AgentLiveness::Unconfirmed { stamped: true, .. }
+            ));
+        }
+        // Recent-looking stamps are no better: the node's clock is not known yet.
+        let recent = observe(None, Some(t(0)), t(0));
+        assert!(!judge(Some(&recent), t(1), LIMIT).is_live());
+        // No new stamp within the limit: stale, as for any silent agent.
+        assert!(matches!(
+            judge(Some(&hours_old), t(181), LIMIT),
+            AgentLiveness::Stale { .. }
+        ));
+        // A new stamp, seen arrive: live from then on.
+        let beat = observe(Some(&hours_old), Some(t(30)), t(30));
+        assert_eq!(
+            judge(Some(&beat), t(31), LIMIT),
+            AgentLiveness::Live { skew: None }
+        );
+        // Written again and again, but never stamped: never live.
+        let unstamped = observe(None, None, t(0));
+        let rewritten = observe(Some(&unstamped), None, t(10));
+        assert_eq!(
+            judge(Some(&rewritten), t(11), LIMIT),
+            AgentLiveness::Unconfirmed {
+                stamped: false,
+                waited: Duration::from_secs(11)
+            }
+        );
+        // A stamp replaced by none (a writer that drops it) is not live either.
+        let dropped = observe(Some(&beat), None, t(40));
+        assert!(!judge(Some(&dropped), t(41), LIMIT).is_live());
+        // From none to a stamp, seen while watching: the agent wrote it just now.
+        let first_beat = observe(Some(&unstamped), Some(t(50)), t(50));
+        assert!(judge(Some(&first_beat), t(51), LIMIT).is_live());
+    }
+
     #[test]
     fn node_times_are_read_on_the_operators_clock() {
         let skew = Some(SignedDuration::from_secs(-600));
@@ -215,6 +302,7 @@ mod tests {
     fn the_tracker_forgets_removed_nodes() {
         let l = Liveness::default();
         l.observe("n1", Some(t(0)), t(0));
+        l.observe("n1", Some(t(5)), t(5));
         assert!(l.judge("n1", t(10), LIMIT).is_live());
         l.forget("n1");
         assert_eq!(l.judge("n1", t(10), LIMIT), AgentLiveness::Unknown);

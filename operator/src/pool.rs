@@ -107,19 +107,31 @@ fn mig_in_progress(gn: &GpuNode) -> bool {
     }
 }
 
+/// Whether a node that has the wanted layout failed to apply it (`Failed`, including a drain
+/// that timed out, for the generation it was handed).
+fn mig_failed(gn: &GpuNode) -> bool {
+    gn.status.as_ref().is_some_and(|s| {
+        s.mig.state == MigState::Failed && s.mig.observed_generation == gn.metadata.generation
+    })
+}
+
 /// The MIG rollout over a pool's nodes: which of them must keep their current layout for now.
 /// `nodes` are `(name, its GpuNode, the layout it should get)`. Nodes that already have the
-/// wanted layout but have not finished applying it are under way; of the nodes whose layout
-/// is to change, the first in name order get it while fewer than `max_unavailable` are under
-/// way, and the rest hold. A node without a GpuNode yet gets its layout at once (it has no
-/// layout of its own to keep). Pure.
+/// wanted layout but have not finished applying it are under way, and so are those that failed
+/// to apply it: a failure keeps its slot until it is fixed, so a layout that fails stops the
+/// rollout after `max_unavailable` nodes instead of draining the whole pool a few at a time. Of
+/// the nodes whose layout is to change, the first in name order get it while fewer than
+/// `max_unavailable` are under way, and the rest hold. A node without a GpuNode yet gets its
+/// layout at once (it has no layout of its own to keep). Pure.
 pub fn mig_rollout_holds<'a>(
     max_unavailable: u32,
     nodes: &[(&'a str, Option<&GpuNode>, &NodeMigSpec)],
 ) -> BTreeSet<&'a str> {
     let under_way = nodes
         .iter()
-        .filter(|(_, gn, want)| gn.is_some_and(|g| *g.spec.mig == **want && mig_in_progress(g)))
+        .filter(|(_, gn, want)| {
+            gn.is_some_and(|g| *g.spec.mig == **want && (mig_in_progress(g) || mig_failed(g)))
+        })
         .count() as u32;
     let mut budget = max_unavailable.saturating_sub(under_way);
     let mut sorted: Vec<_> = nodes.iter().collect();
@@ -450,7 +462,7 @@ fn judge_node<'a>(
         return v;
     };
     v.reported = true;
-    v.trusted = m.node_ready && m.agent.is_live();
+    v.trusted = m.node_ready && m.agent.describes_node();
     if !m.node_ready {
         problem(
             "NodeNotReady",
@@ -485,6 +497,27 @@ fn judge_node<'a>(
                 }
             )
             .into(),
+        ),
+        AgentLiveness::Unconfirmed {
+            stamped: true,
+            waited,
+        } => problem(
+            "AgentUnconfirmed",
+            format!(
+                "the operator has not yet seen this node's agent write (it started or took over \
+                 {}s ago; a live agent writes at least every {}s): its last report is shown, but \
+                 nothing is reclaimed or drained on this node until a new heartbeat arrives",
+                waited.as_secs(),
+                HEARTBEAT_INTERVAL.as_secs()
+            )
+            .into(),
+        ),
+        AgentLiveness::Unconfirmed { stamped: false, .. } => problem(
+            "AgentUnconfirmed",
+            "the GpuNode status carries no heartbeat (status.heartbeatTime): whatever wrote it \
+             is not a gpupool agent that stamps its reports, so the node is not ready, its GPUs \
+             are not counted healthy and nothing is reclaimed or drained on it"
+                .into(),
         ),
         AgentLiveness::Live { skew: None } | AgentLiveness::Unknown => {}
     }
@@ -573,7 +606,8 @@ fn judge_node<'a>(
             "MIGRolloutWaiting",
             format!(
                 "keeps its current MIG layout until its turn: at most {} node(s) of the pool \
-                 change their layout at once (mig.maxUnavailable)",
+                 change their layout at once (mig.maxUnavailable), and a node that failed to \
+                 apply it keeps its turn until it is fixed, so a failing layout stops here",
                 pool.spec.mig.max_unavailable()
             )
             .into(),
@@ -1693,15 +1727,50 @@ pub(crate) mod tests {
             )
             .is_empty()
         );
-        // A failed node does not stop the rollout; a node without a GpuNode never waits.
+        // A node that failed to apply the layout keeps its slot: with one at a time, nobody
+        // else is drained for a layout that fails (a drain that timed out is a failure too).
         let mut n1_failed = n1_done.clone();
         n1_failed.status.as_mut().unwrap().mig.state = MigState::Failed;
         assert_eq!(
             holds(
-                &[("n1", Some(&n1_failed)), ("n2", Some(&o2)), ("n3", None)],
+                &[
+                    ("n1", Some(&n1_failed)),
+                    ("n2", Some(&o2)),
+                    ("n3", Some(&o3))
+                ],
                 1
             ),
+            BTreeSet::from(["n2", "n3"])
+        );
+        // With two at a time, one more node may go; a node without a GpuNode never waits.
+        assert_eq!(
+            holds(
+                &[
+                    ("n1", Some(&n1_failed)),
+                    ("n2", Some(&o2)),
+                    ("n3", Some(&o3))
+                ],
+                2
+            ),
+            BTreeSet::from(["n3"])
+        );
+        assert_eq!(
+            holds(&[("n1", Some(&n1_failed)), ("n3", None)], 1),
             BTreeSet::new()
+        );
+        // A failure on an older layout than the one wanted does not hold the new one back.
+        let mut n1_failed_old = n1_failed.clone();
+        n1_failed_old.spec.mig = old.spec.mig.clone();
+        assert_eq!(
+            holds(
+                &[
+                    ("n1", Some(&n1_failed_old)),
+                    ("n2", Some(&o2)),
+                    ("n3", Some(&o3))
+                ],
+                1
+            ),
+            BTreeSet::from(["n2", "n3"])
         );
 
         // The pool says which nodes wait, and why.

@@ -275,7 +275,7 @@ fn has_warning_annotations(pod: &Pod) -> bool {
     a.contains_key(IDLE_SINCE_ANNOTATION) || a.contains_key(RECLAIM_AT_ANNOTATION)
 }
 
-fn to_signed(d: &kube::core::Duration) -> SignedDuration {
+pub fn to_signed(d: &kube::core::Duration) -> SignedDuration {
     SignedDuration::try_from(std::time::Duration::from(*d)).unwrap_or(SignedDuration::MAX)
 }
 
@@ -438,7 +438,7 @@ pub fn record(status: &mut ReclaimStatus, entry: ReclaimRecord) {
 
 /// Whether the rate limit counts a history entry: an action that disrupted a pod (or, in a dry
 /// run, would have). A blocked or failed attempt disrupted nothing and spends no budget.
-fn counted(entry: &ReclaimRecord) -> bool {
+pub fn counted(entry: &ReclaimRecord) -> bool {
     matches!(entry.result.as_str(), "Succeeded" | "WouldSucceed")
 }
 

@@ -100,6 +100,9 @@ async fn deactivate_workload(
         return Ok(None);
     }
     let wl = workload.name_any();
+    if !dry && !ctx.may_act() {
+        return Ok(None);
+    }
     let pp = PatchParams {
         field_manager: Some(FIELD_MANAGER.into()),
         dry_run: dry,
@@ -195,6 +198,12 @@ pub async fn run(
 ) -> ReclaimStatus {
     let policy = &pool.spec.reclaim;
     let pool_name = pool.name_any();
+    // Actions this process took that the status lacks (its write failed) count again.
+    let window = reclaim::to_signed(&policy.rate_limit.interval);
+    for taken in ctx.ledger.missing_from(&pool_name, &status, window, now) {
+        info!(pod = %taken.pod, action = %taken.action, "an action missing from the pool's status (its write failed) is restored from the ledger");
+        reclaim::record(&mut status, taken);
+    }
     let by_name: BTreeMap<String, &Arc<CachedNode>> =
         nodes.iter().map(|n| (n.name_any(), n)).collect();
     let all_pods = ctx.pods.state();
@@ -453,6 +462,9 @@ async fn act(
         ActionKind::Suspend { job } => Some(format!("Job/{job}")),
         _ => None,
     };
+    if !dry && !ctx.may_act() {
+        return Ok(false);
+    }
     let outcome = match kind {
         ActionKind::Suspend { job } => {
             let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
@@ -475,6 +487,7 @@ async fn act(
                         None => return Ok(false),
                     }
                 }
+                Some(_) if !dry && !ctx.may_act() => return Ok(false),
                 Some(_) => {
                     let pp = PatchParams {
                         field_manager: Some(FIELD_MANAGER.into()),
@@ -614,10 +627,11 @@ async fn act(
         retry.remove(&key);
     }
     if !repeated_block {
-        reclaim::record(
-            status,
-            reclaim::entry(pod, owner.clone(), &action, result, now),
-        );
+        let record = reclaim::entry(pod, owner.clone(), &action, result, now);
+        if reclaim::counted(&record) {
+            ctx.ledger.note(&pool.name_any(), record.clone());
+        }
+        reclaim::record(status, record);
     }
     if dry {
         patch_annotations(pod, json!({ DRY_RUN_ANNOTATION: rfc3339(now) }), ctx).await?;
