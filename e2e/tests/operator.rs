@@ -853,3 +853,86 @@ async fn a_node_gone_dark_is_not_ready_and_its_gpus_not_healthy() -> Result<()> 
     delete_pool(&client, &pool).await?;
     Ok(())
 }
+
+/// A MIG layout that fails on the first node of a three-node pool, one node at a time
+/// (`mig.maxUnavailable: 1`): the failed node keeps its turn, so the other two keep their
+/// layout and are never drained for it; the pool says why.
+#[tokio::test]
+async fn a_mig_layout_that_fails_on_its_first_node_goes_no_further() -> Result<()> {
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let scope = TestScope::new(cluster, "op-rollout")?;
+    let client = cluster.client().await?;
+    let mut nodes = Vec::new();
+    for n in ["n1", "n2", "n3"] {
+        nodes.push(create_node(
+            cluster,
+            &scope,
+            &scope.name(n),
+            "NVIDIA-H100-80GB-HBM3",
+            &[(ROLE, "gpu")],
+        )?);
+    }
+    nodes.sort();
+    let op = Operator::start(cluster, &scope, "only", &scope.name("lease"))?;
+    let pool_name = scope.name("train");
+    let (k, v) = scope.label();
+    let spec = |preset: &str| {
+        json!({
+            "nodeSelector": { "matchLabels": { k: v, ROLE: "gpu" } },
+            "mig": { "strategy": "mixed", "layout": { "preset": preset }, "maxUnavailable": 1 },
+        })
+    };
+    apply_pool(&client, &scope, &pool_name, spec("all-disabled")).await?;
+    for node in &nodes {
+        wait_gpunode(&client, node, |_| true)
+            .await
+            .with_context(|| op.log_tail())?;
+        report_status(&client, node, |_| {}).await?;
+    }
+    wait_pool(&client, &pool_name, "Ready on all-disabled", |p| {
+        condition(p, "Ready").as_deref() == Some("True")
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+
+    let sliced = |gn: &GpuNode| {
+        gn.spec
+            .mig
+            .gpus
+            .first()
+            .is_some_and(|g| g.profiles.contains_key("1g.10gb"))
+    };
+    apply_pool(&client, &scope, &pool_name, spec("all-1g.10gb")).await?;
+    let first = wait_gpunode(&client, &nodes[0], sliced)
+        .await
+        .with_context(|| op.log_tail())?;
+    // Its agent fails to apply it, for the generation it was handed.
+    report_status(&client, &nodes[0], |s| {
+        s.mig.state = gpupool_crds::node::MigState::Failed;
+        s.mig.reason = Some("ApplyFailed".into());
+        s.mig.message =
+            Some("creating GPU instance 1g.10gb on GPU 0: insufficient resources".into());
+        s.mig.observed_generation = first.metadata.generation;
+    })
+    .await?;
+    wait_pool(&client, &pool_name, "the others wait", |p| {
+        nodes[1..]
+            .iter()
+            .all(|n| problem(p, n, "MIGRolloutWaiting").is_some())
+            && p.status.as_ref().is_some_and(|s| s.mig.failed == 1)
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    // Many reconciles later, neither has been handed the failing layout.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let gpunodes: Api<GpuNode> = Api::all(client.clone());
+    for node in &nodes[1..] {
+        let gn = gpunodes.get(node).await?;
+        ensure(!sliced(&gn), || {
+            format!("{node} was handed the failing layout:\n{}", op.log_tail())
+        })?;
+    }
+    delete_pool(&client, &pool_name).await?;
+    Ok(())
+}

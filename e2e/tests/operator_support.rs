@@ -324,7 +324,7 @@ pub async fn wait_gpunode_gone(client: &Client, node: &str) -> Result<()> {
 }
 
 /// A healthy agent report for a GpuNode: validated, CDI written, MIG applied (when asked),
-/// generation observed. `edit` adjusts it.
+/// generation observed, heartbeat stamped now. `edit` adjusts it.
 pub async fn report_status(
     client: &Client,
     node: &str,
@@ -347,6 +347,36 @@ pub async fn report_status(
     .await
     .with_context(|| format!("writing GpuNode {node} status"))?;
     Ok(())
+}
+
+/// An agent that keeps reporting: writes `node`'s status, as `edit` makes it and stamped now,
+/// every two seconds until dropped. After an operator (re)start or a leader change the
+/// operator acts on a node's report only once it has seen a new stamp arrive.
+pub struct Heartbeat(tokio::task::JoinHandle<()>);
+
+impl Heartbeat {
+    /// Starts beating.
+    pub fn start(
+        client: &Client,
+        node: &str,
+        edit: impl Fn(&mut GpuNodeStatus) + Send + Sync + 'static,
+    ) -> Self {
+        let (client, node) = (client.clone(), node.to_owned());
+        Self(tokio::spawn(async move {
+            loop {
+                if let Err(e) = report_status(&client, &node, &edit).await {
+                    eprintln!("e2e: heartbeat of {node}: {e:#}");
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+            }
+        }))
+    }
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The pool's status problem `reason` on `node`, if it reports one.

@@ -68,14 +68,28 @@ fn gpu(index: u32, holder: &Pod, seen: Seen) -> GpuStatus {
     }
 }
 
-/// Reports the node with these pods on its GPUs, one GPU each.
+/// Reports the node with these pods on its GPUs, one GPU each, stamped now.
 async fn report_gpus(client: &Client, node: &str, holders: &[(&Pod, Seen)]) -> Result<()> {
+    report_gpus_stamped(client, node, holders, Some(Timestamp::now())).await
+}
+
+/// [`report_gpus`] with this heartbeat stamp (`None`: none).
+async fn report_gpus_stamped(
+    client: &Client,
+    node: &str,
+    holders: &[(&Pod, Seen)],
+    stamp: Option<Timestamp>,
+) -> Result<()> {
     let gpus: Vec<GpuStatus> = holders
         .iter()
         .enumerate()
         .map(|(i, (p, seen))| gpu(i as u32, p, *seen))
         .collect();
-    report_status(client, node, move |s| s.gpus = gpus).await
+    report_status(client, node, move |s| {
+        s.gpus = gpus;
+        s.heartbeat_time = stamp.map(Time);
+    })
+    .await
 }
 
 fn reclaim_spec(scope: &TestScope, extra: serde_json::Value) -> serde_json::Value {
@@ -247,7 +261,7 @@ async fn a_silent_agent_holds_reclaim_and_its_pool_says_so() -> Result<()> {
     let pod = running_gpu_pod(&client, &scope, "quiet", &node, &[], &[]).await?;
     // Reports without a heartbeat never count as one: the agent last spoke when the GpuNode
     // appeared.
-    report_gpus(&client, &node, &[(&pod, Seen::Busy)]).await?;
+    report_gpus_stamped(&client, &node, &[(&pod, Seen::Busy)], None).await?;
     let stale = wait_pool(&client, &pool, "the node's agent stale", |p| {
         problem(p, &node, "AgentStale").is_some()
     })
@@ -258,7 +272,7 @@ async fn a_silent_agent_holds_reclaim_and_its_pool_says_so() -> Result<()> {
     assert_eq!((st.gpus.total, st.gpus.healthy), (8, 0), "{:?}", st.gpus);
 
     // Idle for an hour, by a report nobody vouches for: held, over many reclaim passes.
-    report_gpus(&client, &node, &[(&pod, Seen::Idle)]).await?;
+    report_gpus_stamped(&client, &node, &[(&pod, Seen::Idle)], None).await?;
     tokio::time::sleep(std::time::Duration::from_secs(8)).await;
     let now = pod_now(&client, ns, "quiet")
         .await?
@@ -634,9 +648,12 @@ async fn a_new_leader_finishes_the_reclaim_without_repeating_it() -> Result<()> 
         .await
         .with_context(|| a.log_tail())?;
 
-    // Whoever leads now is killed mid-grace-period of a second pod.
+    // Whoever leads now is killed mid-grace-period of a second pod. The agent keeps beating
+    // (the same idleSince each time, as an agent keeps it): the new leader acts on the report
+    // only once it has seen a stamp arrive itself.
     let second = running_gpu_pod(&client, &scope, "second", &node, &[], &[]).await?;
-    report_gpus(&client, &node, &[(&second, Seen::Idle)]).await?;
+    let idle = gpu(0, &second, Seen::Idle);
+    let _beating = Heartbeat::start(&client, &node, move |s| s.gpus = vec![idle.clone()]);
     wait_warned(&client, ns, "second").await?;
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(client.clone(), ns);
@@ -675,6 +692,82 @@ async fn a_new_leader_finishes_the_reclaim_without_repeating_it() -> Result<()> 
         .await
         .with_context(|| survivor.log_tail())?;
     survivor.kill();
+    Ok(())
+}
+
+/// An operator restarted (a `helm upgrade`, a crash) into a cluster whose agent fell silent two
+/// hours ago, its last report saying "idle for an hour": the report is two hours old, yet the
+/// new operator's first sighting of it is fresh to its own clock. It neither warns, evicts nor
+/// suspends on it; the pool names the node (`AgentUnconfirmed`) until a new stamp arrives, and
+/// then the same report is acted on.
+#[tokio::test]
+async fn an_operator_restarted_into_a_long_silent_agent_acts_on_nothing_it_reported() -> Result<()>
+{
+    let cluster = Cluster::shared()?;
+    let scope = TestScope::new(cluster, "reclaim-restart")?;
+    let client = cluster.client().await?;
+    let (node, pool, mut op) = setup(cluster, &scope, &client, json!({})).await?;
+    let ns = scope.namespace();
+    let pod = running_gpu_pod(&client, &scope, "quiet", &node, &[], &[]).await?;
+    report_gpus(&client, &node, &[(&pod, Seen::Busy)]).await?;
+    wait_pool(&client, &pool, "Ready on the agent's report", |p| {
+        condition(p, "Ready").as_deref() == Some("True")
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    op.kill();
+
+    // While no operator runs, the last report the agent made before it died: idle for an hour,
+    // stamped two hours ago.
+    let two_hours_ago = Timestamp::now()
+        .checked_sub(SignedDuration::from_hours(2))
+        .unwrap_or(Timestamp::UNIX_EPOCH);
+    let idle = gpu(0, &pod, Seen::Idle);
+    let last = idle.clone();
+    report_status(&client, &node, move |s| {
+        s.gpus = vec![last];
+        s.heartbeat_time = Some(Time(two_hours_ago));
+    })
+    .await?;
+    let op = Operator::start(cluster, &scope, "restarted", &scope.name("lease"))?;
+    wait_pool(&client, &pool, "the node named unconfirmed", |p| {
+        problem(p, &node, "AgentUnconfirmed").is_some()
+    })
+    .await
+    .with_context(|| op.log_tail())?;
+    // Many reclaim passes (one a second, a 3 s grace period) and nothing is done.
+    tokio::time::sleep(std::time::Duration::from_secs(8)).await;
+    let now = pod_now(&client, ns, "quiet")
+        .await?
+        .context("the pod went on a two-hour-old report")?;
+    ensure!(
+        !warned(&now),
+        "warned on a two-hour-old report: {:?}\n{}",
+        now.annotations(),
+        op.log_tail()
+    );
+    ensure!(
+        history(&client, &pool).await?.is_empty(),
+        "acted on a two-hour-old report"
+    );
+
+    // The agent comes back and beats: the report now stands and is acted on.
+    let _beating = Heartbeat::start(&client, &node, move |s| s.gpus = vec![idle.clone()]);
+    wait_warned(&client, ns, "quiet")
+        .await
+        .with_context(|| op.log_tail())?;
+    wait_evicted(&client, ns, "quiet")
+        .await
+        .with_context(|| op.log_tail())?;
+    let p = wait_pool(&client, &pool, "the node confirmed", |p| {
+        problem(p, &node, "AgentUnconfirmed").is_none()
+    })
+    .await?;
+    ensure!(
+        condition(&p, "Ready").as_deref() == Some("True"),
+        "not Ready after the agent came back"
+    );
+    delete_pool(&client, &pool).await?;
     Ok(())
 }
 
