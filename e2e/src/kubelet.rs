@@ -766,7 +766,18 @@ pub async fn delete_pod_and_wait(client: &Client, scope: &TestScope, name: &str)
 /// # Panics
 /// When the check itself fails (an exit status other than 0 or 3): a broken script must fail
 /// the tests, not skip them.
+///
+/// Under `GPUPOOL_E2E_STRICT=1` (CI sets it: it installs everything this layer needs) a reason
+/// to skip is a failure too, so a layer that silently stopped running cannot pass for green.
 pub fn skip_reason(runtime: Runtime) -> Option<String> {
+    let why = skip_reason_lax(runtime)?;
+    if crate::strict() {
+        panic!("GPUPOOL_E2E_STRICT=1, so this layer must run, but it would skip: {why}");
+    }
+    Some(why)
+}
+
+fn skip_reason_lax(runtime: Runtime) -> Option<String> {
     if std::env::var("GPUPOOL_E2E_KUBELET").as_deref() != Ok("1") {
         return Some("the real-kubelet layer is opt-in: set GPUPOOL_E2E_KUBELET=1".to_owned());
     }

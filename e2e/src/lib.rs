@@ -36,3 +36,9 @@ pub use cluster::{Cluster, FAKE_NODE_LABEL};
 pub use kubectl::Kubectl;
 pub use scope::TestScope;
 pub use tools::{Tools, repo_root};
+
+/// Whether `GPUPOOL_E2E_STRICT=1`: every layer that would skip for a missing tool or machine
+/// capability fails instead (CI sets it, since it installs everything the layers need).
+pub fn strict() -> bool {
+    std::env::var("GPUPOOL_E2E_STRICT").as_deref() == Ok("1")
+}

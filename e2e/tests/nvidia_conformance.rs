@@ -3,11 +3,11 @@
 //! k8s-device-plugin vs ours through the same kubelet stand-in, for 8 × H100 with a mixed MIG
 //! layout, 8 × H100 with a uniform layout, 8 × A100 whole and 4 × L4.
 //!
-//! Runs only with `GPUPOOL_NVIDIA_TOOLS=1` (it builds NVIDIA's binaries from Go modules and
+//! Ignored unless asked for with `--ignored` (it builds NVIDIA's binaries from Go modules and
 //! needs root for `mknod` and `unshare -m`):
 //!
 //! ```sh
-//! GPUPOOL_NVIDIA_TOOLS=1 cargo test -p gpupool-e2e --test nvidia_conformance -- --nocapture
+//! cargo test -p gpupool-e2e --test nvidia_conformance -- --ignored --nocapture
 //! ```
 //! The work is done by `e2e/tools/nvidia/compare.sh conformance` (see RESULTS.md there); this
 //! test checks its report: every row equal or a documented difference, and the rows that
@@ -53,11 +53,8 @@ fn rows(stdout: &str) -> BTreeMap<(String, String), String> {
 }
 
 #[test]
+#[ignore = "opt-in: builds NVIDIA's device plugin and container toolkit from Go modules (minutes); run with --ignored"]
 fn nvidia_conformance() {
-    if std::env::var("GPUPOOL_NVIDIA_TOOLS").as_deref() != Ok("1") {
-        eprintln!("skipped: set GPUPOOL_NVIDIA_TOOLS=1 to compare with NVIDIA's binaries");
-        return;
-    }
     let root = repo_root();
     let output = Command::new(root.join("e2e/tools/nvidia/compare.sh"))
         .arg("conformance")
