@@ -1001,7 +1001,7 @@ fn fake_nvml_counts_only_character_devices_by_default() {
 
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        println!("skipping the character-device half: making device nodes needs root");
+        skip("the character-device half: making device nodes needs root");
         return;
     }
     let node = dev.path().join("nvidia1");
@@ -1009,11 +1009,11 @@ fn fake_nvml_counts_only_character_devices_by_default() {
     // SAFETY: a valid NUL-terminated path; mknod only reads it.
     let rc = unsafe { libc::mknod(path.as_ptr(), libc::S_IFCHR | 0o600, libc::makedev(195, 1)) };
     if rc != 0 {
-        println!(
-            "skipping the character-device half: mknod {}: {}",
+        skip(&format!(
+            "the character-device half: mknod {}: {}",
             node.display(),
             std::io::Error::last_os_error()
-        );
+        ));
         return;
     }
     let case = visibility_case("char_devices", dev.path());
@@ -1036,7 +1036,7 @@ fn fake_nvml_has_the_drivers_soname() {
     {
         Ok(out) => out,
         Err(e) => {
-            println!("skipping: readelf is not available ({e})");
+            skip(&format!("readelf is not available ({e})"));
             return;
         }
     };
@@ -1100,7 +1100,7 @@ fn fake_nvml_lists_processes_only_in_their_pid_namespace() {
     // An agent in a child PID namespace (a pod without hostPID) sees none of ours.
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        println!("skipping the child-namespace half: unshare --pid needs root");
+        skip("the child-namespace half: unshare --pid needs root");
         return;
     }
     let unshare = || {
@@ -1111,9 +1111,9 @@ fn fake_nvml_lists_processes_only_in_their_pid_namespace() {
     match unshare().arg("true").status() {
         Ok(s) if s.success() => {}
         other => {
-            println!(
-                "skipping the child-namespace half: unshare --pid --fork --mount-proc: {other:?}"
-            );
+            skip(&format!(
+                "the child-namespace half: unshare --pid --fork --mount-proc: {other:?}"
+            ));
             return;
         }
     }
@@ -1243,4 +1243,14 @@ fn inventory_after_a_relayout() {
         assert_eq!(snapshot.instances[0].1.len(), 2);
         t
     });
+}
+
+/// Says why part of a test cannot run here; under `GPUPOOL_E2E_STRICT=1` (CI, which has root,
+/// readelf and unshare) that is a failure instead of a skip.
+fn skip(why: &str) {
+    assert!(
+        std::env::var("GPUPOOL_E2E_STRICT").as_deref() != Ok("1"),
+        "GPUPOOL_E2E_STRICT=1, so this must run, but: {why}"
+    );
+    println!("skipping {why}");
 }
