@@ -292,6 +292,9 @@ pub enum CheckName {
     XidErrors,
     /// Persistence mode on.
     PersistenceMode,
+    /// The agent runs in the host's PID namespace, so it sees the GPU processes (without it
+    /// every GPU would look empty: activity is then `Unknown` and MIG and sharing changes hold).
+    HostPidNamespace,
     /// A check this version does not know (from a newer agent), kept as written. Never holds
     /// one of the names above: [`CheckName::from`] maps those to their variants.
     Other(String),
@@ -310,6 +313,7 @@ impl CheckName {
             CheckName::PcieReplay => "PCIeReplay",
             CheckName::XidErrors => "XidErrors",
             CheckName::PersistenceMode => "PersistenceMode",
+            CheckName::HostPidNamespace => "HostPIDNamespace",
             CheckName::Other(name) => name,
         }
     }
@@ -341,6 +345,7 @@ impl From<&str> for CheckName {
             "PCIeReplay" => CheckName::PcieReplay,
             "XidErrors" => CheckName::XidErrors,
             "PersistenceMode" => CheckName::PersistenceMode,
+            "HostPIDNamespace" => CheckName::HostPidNamespace,
             other => CheckName::Other(other.to_owned()),
         }
     }
@@ -587,6 +592,7 @@ mod tests {
         for (name, text) in [
             (CheckName::DriverVersion, "DriverVersion"),
             (CheckName::CudaVersion, "CUDAVersion"),
+            (CheckName::HostPidNamespace, "HostPIDNamespace"),
             (CheckName::Other("FanSpeed".into()), "FanSpeed"),
         ] {
             assert_eq!(serde_json::to_value(&name).unwrap(), text);

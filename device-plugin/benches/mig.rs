@@ -6,7 +6,7 @@
 //! which real hardware adds its GPU-instance creation times. Prints its figures; run with
 //! `cargo bench -p gpupool-device-plugin --bench mig`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,7 +40,7 @@ fn apply(
     spec: &NodeMigSpec,
     generation: i64,
 ) -> Result<usize, Box<dyn std::error::Error>> {
-    let idle = BTreeSet::new();
+    let idle = gpupool_device_plugin::occupancy::Occupancy::default();
     let mut ops = 0;
     for _ in 0..1000 {
         let inventory = Inventory::read(backend)?;

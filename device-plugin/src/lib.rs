@@ -8,6 +8,8 @@ pub mod inventory;
 pub mod kmsg;
 pub mod metrics_http;
 pub mod mig;
+pub mod occupancy;
+pub mod pidns;
 pub mod plugin;
 pub mod podresources;
 pub mod utilization;

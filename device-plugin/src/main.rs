@@ -65,6 +65,13 @@ struct Cli {
     /// Where the host's `/proc` is mounted.
     #[arg(long, env = "GPUPOOL_PROC_ROOT", default_value = "/proc")]
     proc_root: PathBuf,
+    /// The host's `/proc`, where the agent reads its own `status` to tell whether it runs in
+    /// the host's PID namespace (the GPU process lists are the host's only then: the chart's
+    /// `agent.hostPID`). Default: `proc` under `--host-root` (else `/proc`). When it is not, or
+    /// this cannot be read, the HostPIDNamespace check fails, activity is Unknown and MIG and
+    /// sharing changes hold.
+    #[arg(long, env = "GPUPOOL_HOST_PROC_ROOT")]
+    host_proc_root: Option<PathBuf>,
     /// The kernel log, scanned (non-blocking) for NVIDIA Xid records since boot; when it cannot
     /// be read, the XidErrors check counts only Xids since the agent started, and says so.
     #[arg(long, env = "GPUPOOL_KMSG_PATH", default_value = kmsg::DEFAULT_KMSG_PATH)]
@@ -199,6 +206,9 @@ fn agent_config(cli: &Cli) -> AgentConfig {
         driver_root: cli.driver_root.clone(),
         host_root: cli.host_root.clone(),
         proc_root: cli.proc_root.clone(),
+        host_proc_root: cli.host_proc_root.clone().unwrap_or_else(|| {
+            gpupool_device_plugin::pidns::default_host_proc(cli.host_root.as_deref())
+        }),
         kmsg_path: cli.kmsg_path.clone(),
         validate_interval: Duration::from_secs(cli.validate_interval_secs.max(1)),
         drain_timeout: Duration::from_secs(cli.drain_timeout_secs),

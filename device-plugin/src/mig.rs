@@ -4,8 +4,9 @@
 //!   still needed. It is re-run after every operation on a fresh read of the hardware, so a
 //!   layout half-applied before a crash is completed from what the hardware shows.
 //! - [`MigController`] is the state machine shown in status: `Applied` when nothing is left to
-//!   do; on a difference `Draining` (until no compute process runs on the GPUs being changed,
-//!   or `Failed` after the drain timeout) → `Applying` (one operation per step) → `Applied`, or
+//!   do; on a difference `Draining` (until no pod holds a device of the GPUs being changed and
+//!   no compute process runs on them, as [`crate::occupancy`] judges from positive evidence
+//!   only; or `Failed` with the holders named after the drain timeout) → `Applying` (one operation per step) → `Applied`, or
 //!   `Failed` with the NVML error and the GPU. Only GPUs whose layout differs are touched. A
 //!   MIG mode change waiting for a GPU reset fails (`GPUResetTimeout`) after the drain timeout
 //!   too. A failure stands until the spec changes or the hardware is seen to match; a restarted
@@ -22,6 +23,7 @@ use gpupool_mig_catalog::{self as catalog, GpuModel, PlanError};
 
 use crate::backend::{self, GiProfileId, GpuBackend, GpuInstanceId, MigMode, MigModeChange};
 use crate::inventory::Inventory;
+use crate::occupancy::Occupancy;
 
 /// One GPU instance as the hardware shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -440,12 +442,14 @@ fn create_ci(
 pub enum Phase {
     /// No layout managed.
     Idle,
-    /// Waiting for compute processes to leave `gpus`.
+    /// Waiting for the pods and compute processes on `gpus` to leave.
     Draining {
         /// Since when.
         since: Instant,
         /// GPUs being changed.
         gpus: Vec<u32>,
+        /// What still holds them, as last seen (see [`Occupancy::describe`]).
+        waiting_for: String,
     },
     /// Changing `gpus`.
     Applying {
@@ -475,7 +479,8 @@ pub enum MigFailure {
     /// The planner cannot place the wanted layout on this GPU (unknown model, not MIG-capable,
     /// profiles that do not fit).
     InvalidLayout,
-    /// Compute processes did not leave the GPUs within the drain timeout.
+    /// Pods or compute processes did not leave the GPUs within the drain timeout (or what holds
+    /// them could not be read).
     DrainTimeout,
     /// An NVML call creating or destroying an instance, or switching MIG mode, failed.
     NvmlError,
@@ -577,13 +582,13 @@ impl MigController {
     }
 
     /// Decides the next step from a fresh read of the hardware, the spec (and its generation),
-    /// the GPUs with compute processes, and the time.
+    /// what holds each GPU (pods, processes, or what could not be read), and the time.
     pub fn step(
         &mut self,
         current: &[CurrentGpu],
         spec: &NodeMigSpec,
         generation: Option<i64>,
-        busy_gpus: &BTreeSet<u32>,
+        busy: &Occupancy,
         now: Instant,
     ) -> Step {
         if !spec.managed || spec.gpus.is_empty() {
@@ -674,7 +679,8 @@ impl MigController {
             }
             Phase::Draining { since, .. } if self.generation == generation => {
                 let since = *since;
-                if gpus.iter().all(|g| !busy_gpus.contains(g)) {
+                let waiting_for = busy.describe(&gpus);
+                if gpus.iter().all(|g| !busy.is_busy(*g)) {
                     self.set(
                         Phase::Applying {
                             gpus,
@@ -684,17 +690,11 @@ impl MigController {
                         generation,
                     )
                 } else if now.duration_since(since) >= self.drain_timeout {
-                    let still: Vec<String> = gpus
-                        .iter()
-                        .filter(|g| busy_gpus.contains(g))
-                        .map(u32::to_string)
-                        .collect();
                     self.set(
                         Phase::Failed {
                             reason: MigFailure::DrainTimeout,
                             message: format!(
-                                "compute processes still run on GPU {} after {:?}; MIG layout not applied",
-                                still.join(", "),
+                                "still held after {:?}: {waiting_for}; MIG layout not applied, the instances are intact",
                                 self.drain_timeout
                             ),
                             gpus,
@@ -702,12 +702,26 @@ impl MigController {
                         generation,
                     )
                 } else {
-                    // Keep the GPU list current; waiting is not a phase change.
-                    self.phase = Phase::Draining { since, gpus };
+                    // Keep the GPU list and holders current; waiting is not a phase change.
+                    self.phase = Phase::Draining {
+                        since,
+                        gpus,
+                        waiting_for,
+                    };
                     Step::Wait(self.poll)
                 }
             }
-            _ => self.set(Phase::Draining { since: now, gpus }, generation),
+            _ => {
+                let waiting_for = busy.describe(&gpus);
+                self.set(
+                    Phase::Draining {
+                        since: now,
+                        gpus,
+                        waiting_for,
+                    },
+                    generation,
+                )
+            }
         }
     }
 
@@ -725,10 +739,16 @@ impl MigController {
     pub fn status(&self) -> NodeMigStatus {
         let (state, reason, message, gpus) = match &self.phase {
             Phase::Idle => (MigState::Idle, None, None, vec![]),
-            Phase::Draining { gpus, .. } => (
+            Phase::Draining {
+                gpus, waiting_for, ..
+            } => (
                 MigState::Draining,
                 Some("WaitingForGPUPods".to_owned()),
-                Some("waiting until no compute process runs on the GPUs being changed".to_owned()),
+                Some(if waiting_for.is_empty() {
+                    "waiting until no pod holds a device of the GPUs being changed and no compute process runs on them".to_owned()
+                } else {
+                    format!("waiting for the GPUs being changed to be free: {waiting_for}")
+                }),
                 gpus.clone(),
             ),
             Phase::Applying {
@@ -776,6 +796,11 @@ impl MigController {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::occupancy::Holder;
+
+    fn processes_on_gpu_0() -> Occupancy {
+        [(0, Holder::Processes(1))].into_iter().collect()
+    }
 
     const H100: &str = "NVIDIA H100 80GB HBM3";
 
@@ -1021,7 +1046,7 @@ mod tests {
         let t0 = Instant::now();
         let mut c = MigController::new(Duration::from_secs(60));
         let hw = vec![gpu(0, true, true, &[])];
-        let busy: BTreeSet<u32> = [0].into();
+        let busy = processes_on_gpu_0();
         assert_eq!(c.step(&hw, &spec, Some(1), &busy, t0), Step::PhaseChanged);
         assert_eq!(c.status().state, MigState::Draining);
         assert_eq!(c.status().gpus, [0]);
@@ -1030,11 +1055,11 @@ mod tests {
             Step::Wait(_)
         ));
         assert_eq!(
-            c.step(&hw, &spec, Some(1), &BTreeSet::new(), t0),
+            c.step(&hw, &spec, Some(1), &Occupancy::default(), t0),
             Step::PhaseChanged
         );
         assert_eq!(c.status().state, MigState::Applying);
-        let Step::Execute(op) = c.step(&hw, &spec, Some(1), &BTreeSet::new(), t0) else {
+        let Step::Execute(op) = c.step(&hw, &spec, Some(1), &Occupancy::default(), t0) else {
             panic!()
         };
         assert!(matches!(
@@ -1046,14 +1071,62 @@ mod tests {
         ));
         let done = vec![gpu(0, true, true, &[(1, "7g.80gb", 0, 1)])];
         assert_eq!(
-            c.step(&done, &spec, Some(1), &BTreeSet::new(), t0),
+            c.step(&done, &spec, Some(1), &Occupancy::default(), t0),
             Step::PhaseChanged
         );
         assert_eq!(c.status().state, MigState::Applied);
         assert_eq!(c.status().observed_generation, Some(1));
         assert_eq!(
-            c.step(&done, &spec, Some(1), &BTreeSet::new(), t0),
+            c.step(&done, &spec, Some(1), &Occupancy::default(), t0),
             Step::Idle
+        );
+    }
+
+    #[test]
+    fn a_pod_holding_a_device_without_a_process_holds_the_drain_and_is_named() {
+        let spec = NodeMigSpec {
+            managed: true,
+            gpus: vec![want(0, true, &[("7g.80gb", 1)])],
+            ..NodeMigSpec::default()
+        };
+        let t0 = Instant::now();
+        let mut c = MigController::new(Duration::from_secs(5));
+        let hw = vec![gpu(0, true, true, &[])];
+        let held: Occupancy = [(
+            0,
+            Holder::Pod(gpupool_crds::node::PodRef {
+                namespace: "ml".into(),
+                name: "train-0".into(),
+                container: None,
+            }),
+        )]
+        .into_iter()
+        .collect();
+        assert_eq!(c.step(&hw, &spec, Some(1), &held, t0), Step::PhaseChanged);
+        assert!(matches!(
+            c.step(&hw, &spec, Some(1), &held, t0 + Duration::from_secs(1)),
+            Step::Wait(_)
+        ));
+        let s = c.status();
+        assert_eq!(s.state, MigState::Draining);
+        assert!(
+            s.message.unwrap_or_default().contains("pod ml/train-0"),
+            "the holder is named while draining"
+        );
+        assert_eq!(
+            c.step(&hw, &spec, Some(1), &held, t0 + Duration::from_secs(6)),
+            Step::PhaseChanged
+        );
+        let s = c.status();
+        assert_eq!(
+            (s.state, s.reason.as_deref()),
+            (MigState::Failed, Some("DrainTimeout"))
+        );
+        assert!(
+            s.message
+                .unwrap_or_default()
+                .contains("GPU 0: pod ml/train-0"),
+            "the holder is named on timeout"
         );
     }
 
@@ -1067,7 +1140,7 @@ mod tests {
         let t0 = Instant::now();
         let mut c = MigController::new(Duration::from_secs(5));
         let hw = vec![gpu(0, true, true, &[])];
-        let busy: BTreeSet<u32> = [0].into();
+        let busy = processes_on_gpu_0();
         c.step(&hw, &spec, Some(1), &busy, t0);
         assert_eq!(
             c.step(&hw, &spec, Some(1), &busy, t0 + Duration::from_secs(6)),
@@ -1080,11 +1153,11 @@ mod tests {
         );
         assert!(s.message.unwrap_or_default().contains("GPU 0"));
         assert_eq!(
-            c.step(&hw, &spec, Some(1), &BTreeSet::new(), t0),
+            c.step(&hw, &spec, Some(1), &Occupancy::default(), t0),
             Step::Idle
         );
         assert_eq!(
-            c.step(&hw, &spec, Some(2), &BTreeSet::new(), t0),
+            c.step(&hw, &spec, Some(2), &Occupancy::default(), t0),
             Step::PhaseChanged
         );
         assert_eq!(c.status().state, MigState::Draining);
@@ -1100,7 +1173,7 @@ mod tests {
         let mut c = MigController::new(Duration::from_secs(5));
         let hw = vec![gpu(0, false, true, &[])];
         assert_eq!(
-            c.step(&hw, &spec, Some(1), &BTreeSet::new(), Instant::now()),
+            c.step(&hw, &spec, Some(1), &Occupancy::default(), Instant::now()),
             Step::PhaseChanged
         );
         let s = c.status();
@@ -1109,7 +1182,7 @@ mod tests {
             (MigState::Applying, Some("GPUResetPending"))
         );
         assert!(matches!(
-            c.step(&hw, &spec, Some(1), &BTreeSet::new(), Instant::now()),
+            c.step(&hw, &spec, Some(1), &Occupancy::default(), Instant::now()),
             Step::Wait(_)
         ));
     }
@@ -1124,7 +1197,7 @@ mod tests {
         let t0 = Instant::now();
         let mut c = MigController::new(Duration::from_secs(5));
         let pending = vec![gpu(0, false, true, &[])];
-        let none = BTreeSet::new();
+        let none = Occupancy::default();
         assert_eq!(
             c.step(&pending, &spec, Some(1), &none, t0),
             Step::PhaseChanged
@@ -1179,7 +1252,7 @@ mod tests {
             observed_generation: Some(3),
         };
         let hw = vec![gpu(0, true, true, &[])];
-        let busy: BTreeSet<u32> = [0].into();
+        let busy = processes_on_gpu_0();
         let t0 = Instant::now();
         let mut c = MigController::new(Duration::from_secs(60));
         c.restore(&recorded, Some(3));
@@ -1209,7 +1282,7 @@ mod tests {
     fn unmanaged_is_idle() {
         let mut c = MigController::new(Duration::from_secs(5));
         let spec = NodeMigSpec::default();
-        c.step(&[], &spec, Some(1), &BTreeSet::new(), Instant::now());
+        c.step(&[], &spec, Some(1), &Occupancy::default(), Instant::now());
         assert_eq!(c.status().state, MigState::Idle);
     }
 }

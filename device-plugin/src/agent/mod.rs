@@ -75,6 +75,9 @@ pub struct AgentConfig {
     pub host_root: Option<PathBuf>,
     /// Where `/proc` is (the kernel module check).
     pub proc_root: PathBuf,
+    /// The host's procfs, where the agent reads its own `status` to tell whether it is in the
+    /// host's PID namespace, so that the GPU process lists are the host's (see [`crate::pidns`]).
+    pub host_proc_root: PathBuf,
     /// The kernel log (`/dev/kmsg`), scanned for Xids logged since boot.
     pub kmsg_path: PathBuf,
     /// How often driver checks re-run.

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use gpupool_crds::node::{GpuNode, PodRef, Verdict};
+use gpupool_crds::node::{CheckResult, GpuNode, PodRef, Verdict};
 use gpupool_crds::policy::SharingPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
@@ -31,11 +31,15 @@ use super::validation::ValidationJob;
 use super::{Agent, FIELD_MANAGER, blocking};
 use crate::cdi::DriverRoot;
 use crate::inventory::Inventory;
+use crate::pidns::HostPidNamespace;
 use crate::plugin::{self, Advertisement, Topology};
 
 /// Everything the agent keeps about its node between passes, job by job.
 pub struct NodeState {
     mig: MigJob,
+    /// Whether the agent sees the host's processes (read once: a process's PID namespace is
+    /// fixed for its life).
+    host_pid: HostPidNamespace,
     /// Whether the GpuNode's recorded MIG state has been taken up (first pass only).
     mig_restored: bool,
     cdi: CdiJob,
@@ -73,7 +77,13 @@ impl NodeState {
         let now = Instant::now();
         let config = &agent.config;
         NodeState {
-            mig: MigJob::new(config.drain_timeout, config.mig_step_delay, now),
+            mig: MigJob::new(
+                config.drain_timeout,
+                config.mig_step_delay,
+                config.pod_resources_socket.clone(),
+                now,
+            ),
+            host_pid: host_pid_namespace(&config.host_proc_root),
             mig_restored: false,
             cdi: CdiJob::default(),
             validation: ValidationJob::new(config.kmsg_path.clone(), config.validate_interval, now),
@@ -147,7 +157,13 @@ impl NodeState {
         if let Ok(backend) = &agent.backend {
             for _ in 0..256 {
                 let Some(Ok(inv)) = &inventory else { break };
-                match self.mig.advance(backend, &spec.mig, generation, inv).await {
+                let host = self.host_pid.sees_host_processes();
+                let host = host.as_ref().map(|_| ()).map_err(String::as_str);
+                match self
+                    .mig
+                    .advance(backend, &spec.mig, generation, inv, host)
+                    .await
+                {
                     MigProgress::Waiting(wake) => {
                         mig_wake = wake;
                         break;
@@ -259,6 +275,7 @@ impl NodeState {
                 inv,
                 spec.utilization.idle_threshold,
                 interval,
+                self.host_pid.sees_host_processes().is_ok(),
                 now,
             )
             .await;
@@ -293,8 +310,9 @@ impl NodeState {
         health: &BTreeMap<String, plugin::Health>,
     ) {
         let mig = self.sharing_gate.status(self.mig.status());
+        let checks = with_host_pid_check(self.validation.checks(), &self.host_pid);
         let observed = Observed {
-            checks: self.validation.checks().to_vec(),
+            checks: checks.clone(),
             mig: Some(mig.clone()),
             gpu_health: match inventory {
                 Some(Ok(inv)) => Some(gpu_health(inv, health)),
@@ -315,7 +333,7 @@ impl NodeState {
                 idle: &self.sampling.idle,
                 pods: &self.sampling.pods,
                 pod_resources: self.sampling.pod_resources.as_ref(),
-                checks: self.validation.checks(),
+                checks: &checks,
                 mig,
                 cdi: self.cdi.status.clone(),
                 cdi_state: self.cdi.state(),
@@ -361,6 +379,27 @@ fn occupied_gpus(
         })
         .map(|g| g.device.index)
         .collect()
+}
+
+/// The driver checks with the host PID namespace check added: always once the driver checks
+/// have run, and before that only when it fails (a lone passing check would call the node
+/// validated before its driver was looked at).
+fn with_host_pid_check(driver: &[CheckResult], host_pid: &HostPidNamespace) -> Vec<CheckResult> {
+    let check = host_pid.check();
+    let mut out = driver.to_vec();
+    if !driver.is_empty() || !check.passed {
+        out.push(check);
+    }
+    out
+}
+
+/// The host PID namespace as this process finds it, logged when it is not the host's.
+fn host_pid_namespace(host_proc: &Path) -> HostPidNamespace {
+    let found = HostPidNamespace::read(host_proc);
+    if let Err(why) = found.sees_host_processes() {
+        tracing::warn!(%why, "GPU processes are not visible: activity is Unknown and MIG and sharing changes hold");
+    }
+    found
 }
 
 /// Each GPU's health as Events tell it: the health monitor's verdict on the advertised device,

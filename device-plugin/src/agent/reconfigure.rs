@@ -1,8 +1,13 @@
 //! MIG reconfiguration as a job of the agent: steps the MIG state machine ([`crate::mig`],
 //! pure) against a fresh read of the hardware, runs the operations it asks for through the
 //! backend, one at a time, paced by `--mig-step-delay-ms`.
+//!
+//! While draining, each step reads afresh what holds the GPUs ([`crate::occupancy`]): the
+//! kubelet's PodResources (a pod holding a MIG device keeps its GPU busy with or without a
+//! process) and NVML's process lists, and whether those lists are the host's at all.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +17,12 @@ use tokio::time::Instant;
 use super::blocking;
 use crate::backend::GpuBackend;
 use crate::inventory::Inventory;
-use crate::mig::{self, MigController, Step};
+use crate::mig::{self, MigController, Phase, Step};
+use crate::occupancy::{self, Evidence, Occupancy};
+use crate::podresources;
+
+/// How long one PodResources read may take.
+const POD_RESOURCES_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What one step of the job came to.
 #[derive(Debug, PartialEq, Eq)]
@@ -33,16 +43,24 @@ pub struct MigJob {
     /// Earliest time for the next operation.
     next_op: Instant,
     step_delay: Duration,
+    /// The kubelet's PodResources socket.
+    pod_resources: PathBuf,
 }
 
 impl MigJob {
-    /// A job that gives up draining after `drain_timeout` and waits `step_delay` between
-    /// operations.
-    pub fn new(drain_timeout: Duration, step_delay: Duration, now: Instant) -> MigJob {
+    /// A job that gives up draining after `drain_timeout`, waits `step_delay` between
+    /// operations and asks the kubelet at `pod_resources` which pods hold the GPUs.
+    pub fn new(
+        drain_timeout: Duration,
+        step_delay: Duration,
+        pod_resources: PathBuf,
+        now: Instant,
+    ) -> MigJob {
         MigJob {
             controller: MigController::new(drain_timeout),
             next_op: now,
             step_delay,
+            pod_resources,
         }
     }
 
@@ -63,16 +81,23 @@ impl MigJob {
         self.controller.status()
     }
 
-    /// One step towards `spec` from the hardware as `inventory` shows it.
+    /// One step towards `spec` from the hardware as `inventory` shows it. `host_processes` says
+    /// whether the process lists NVML gives are the host's (see [`crate::pidns`]).
     pub async fn advance(
         &mut self,
         backend: &Arc<dyn GpuBackend>,
         spec: &NodeMigSpec,
         generation: Option<i64>,
         inventory: &Inventory,
+        host_processes: Result<(), &str>,
     ) -> MigProgress {
         let current = mig::current_from_inventory(inventory);
-        let busy = busy_gpus(backend, inventory).await;
+        // Only a drain decides from what holds the GPUs; steady state costs no kubelet call.
+        let busy = if matches!(self.controller.phase(), Phase::Draining { .. }) {
+            self.occupancy(backend, inventory, host_processes).await
+        } else {
+            Occupancy::default()
+        };
         let step =
             self.controller
                 .step(&current, spec, generation, &busy, Instant::now().into_std());
@@ -101,51 +126,50 @@ impl MigJob {
             }
         }
     }
+
+    /// What holds each GPU now: PodResources and the process lists, read afresh.
+    async fn occupancy(
+        &self,
+        backend: &Arc<dyn GpuBackend>,
+        inv: &Inventory,
+        host_processes: Result<(), &str>,
+    ) -> Occupancy {
+        let pods = podresources::list_pod_devices(&self.pod_resources, POD_RESOURCES_TIMEOUT)
+            .await
+            .map_err(|e| e.to_string());
+        if let Err(e) = &pods {
+            tracing::debug!(error = %e, "PodResources unreadable: every GPU counts as held");
+        }
+        let processes = process_counts(backend, inv).await;
+        occupancy::occupancy(
+            &occupancy::device_ids(inv),
+            Evidence {
+                pods: pods.as_ref().map_err(String::as_str),
+                processes: &processes,
+                host_processes,
+            },
+        )
+    }
 }
 
-/// The GPUs a MIG change must wait for, from the backend.
-async fn busy_gpus(backend: &Arc<dyn GpuBackend>, inv: &Inventory) -> BTreeSet<u32> {
+/// The number of compute processes on each GPU, or why its list could not be read. A GPU
+/// missing from the answer (the blocking task died) counts as unread, never as free.
+async fn process_counts(
+    backend: &Arc<dyn GpuBackend>,
+    inv: &Inventory,
+) -> BTreeMap<u32, Result<usize, String>> {
     let indices: Vec<u32> = inv.gpus.iter().map(|g| g.device.index).collect();
-    let all = indices.clone();
     blocking(backend, move |b| {
-        busy_from(indices.into_iter().map(|i| (i, b.processes(i))))
+        indices
+            .into_iter()
+            .map(|i| {
+                (
+                    i,
+                    b.processes(i).map(|ps| ps.len()).map_err(|e| e.to_string()),
+                )
+            })
+            .collect()
     })
     .await
-    // The blocking task died: nothing is known, so nothing may be taken as free.
-    .unwrap_or_else(|| all.into_iter().collect())
-}
-
-/// The GPUs a MIG change must wait for: those with compute processes, and those whose process
-/// list could not be read (an unreadable list never passes for an idle GPU).
-fn busy_from<T, E: std::fmt::Display>(
-    lists: impl IntoIterator<Item = (u32, Result<Vec<T>, E>)>,
-) -> BTreeSet<u32> {
-    lists
-        .into_iter()
-        .filter(|(gpu, list)| match list {
-            Ok(processes) => !processes.is_empty(),
-            Err(e) => {
-                // Debug only: this runs every pass, and a lost GPU is reported by health.
-                tracing::debug!(gpu, error = %e, "cannot list compute processes: counted as busy");
-                true
-            }
-        })
-        .map(|(gpu, _)| gpu)
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_gpu_is_free_only_when_its_process_list_reads_empty() {
-        let lists: Vec<(u32, Result<Vec<u32>, String>)> = vec![
-            (0, Ok(vec![])),
-            (1, Ok(vec![4242])),
-            (2, Err("GPU is lost".into())),
-            (3, Ok(vec![])),
-        ];
-        assert_eq!(busy_from(lists), BTreeSet::from([1, 2]));
-    }
+    .unwrap_or_default()
 }

@@ -15,6 +15,7 @@ use crate::backend::GpuBackend;
 use crate::inventory::Inventory;
 use crate::podresources;
 use crate::utilization::{self, DeviceSample, IdleTracker};
+use gpupool_crds::node::Activity;
 
 /// The shortest sampling interval honoured, whatever the spec says.
 const MIN_INTERVAL: Duration = Duration::from_millis(200);
@@ -63,21 +64,29 @@ impl SamplingJob {
     }
 
     /// Samples if due at `now` (with a backend and an inventory), then schedules the next one
-    /// `interval` later.
+    /// `interval` later. Without `host_processes` (the agent is not in the host's PID
+    /// namespace) every device's activity is `Unknown`.
     pub async fn run_if_due(
         &mut self,
         backend: Option<&Arc<dyn GpuBackend>>,
         inventory: Option<&Inventory>,
         idle_threshold: u32,
         interval: Duration,
+        host_processes: bool,
         now: Instant,
     ) {
         if now < self.next {
             return;
         }
         if let (Some(backend), Some(inv)) = (backend, inventory) {
-            self.sample(backend, inv, idle_threshold, interval.max(MIN_INTERVAL))
-                .await;
+            self.sample(
+                backend,
+                inv,
+                idle_threshold,
+                interval.max(MIN_INTERVAL),
+                host_processes,
+            )
+            .await;
         }
         self.next = now + interval.max(MIN_INTERVAL);
     }
@@ -88,6 +97,7 @@ impl SamplingJob {
         inv: &Inventory,
         threshold: u32,
         interval: Duration,
+        host_processes: bool,
     ) {
         match podresources::list_pod_devices(&self.socket, Duration::from_secs(5)).await {
             Ok(map) => {
@@ -116,11 +126,7 @@ impl SamplingJob {
         })
         .await
         .unwrap_or_default();
-        let mut activity: BTreeMap<String, _> = samples
-            .iter()
-            .map(|(k, s)| (k.clone(), s.activity))
-            .collect();
-        activity.extend(shares);
+        let (samples, activity) = observed_activity(samples, shares, host_processes);
         // Three missed samples in a row (and at least a minute: reclaim waits 5 minutes at
         // the least, so shorter stalls do not matter) break an idle run: the time nobody
         // looked is not counted as idle.
@@ -130,5 +136,65 @@ impl SamplingJob {
             self.last_success = Some(Instant::now());
         }
         self.samples = samples;
+    }
+}
+
+/// Each device's and share's activity as reported, and the samples with it: as sampled when
+/// the agent sees the host's processes, else `Unknown` for all (an empty process list seen from
+/// another PID namespace proves nothing, and `Unknown` is never reclaimed).
+fn observed_activity(
+    mut samples: BTreeMap<String, DeviceSample>,
+    shares: BTreeMap<String, Activity>,
+    host_processes: bool,
+) -> (BTreeMap<String, DeviceSample>, BTreeMap<String, Activity>) {
+    if !host_processes {
+        for s in samples.values_mut() {
+            s.activity = Activity::Unknown;
+        }
+    }
+    let mut activity: BTreeMap<String, Activity> = samples
+        .iter()
+        .map(|(k, s)| (k.clone(), s.activity))
+        .collect();
+    for (share, a) in shares {
+        let a = if host_processes { a } else { Activity::Unknown };
+        activity.insert(share, a);
+    }
+    (samples, activity)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_the_host_processes_every_activity_is_unknown() {
+        let sample = |activity| DeviceSample {
+            activity,
+            utilization_percent: Some(0),
+            memory_used_mib: Some(0),
+        };
+        let samples = BTreeMap::from([
+            ("GPU-a".to_owned(), sample(Activity::Idle)),
+            ("MIG-b".to_owned(), sample(Activity::Busy)),
+        ]);
+        let shares = BTreeMap::from([("GPU-c::0".to_owned(), Activity::Idle)]);
+        // (host processes seen?, expected activity of GPU-a, MIG-b, GPU-c::0)
+        let cases = [
+            (true, [Activity::Idle, Activity::Busy, Activity::Idle]),
+            (
+                false,
+                [Activity::Unknown, Activity::Unknown, Activity::Unknown],
+            ),
+        ];
+        for (seen, want) in cases {
+            let (samples, activity) = observed_activity(samples.clone(), shares.clone(), seen);
+            let got: Vec<Activity> = ["GPU-a", "MIG-b", "GPU-c::0"]
+                .iter()
+                .map(|k| activity[*k])
+                .collect();
+            assert_eq!(got, want, "host processes seen: {seen}");
+            assert_eq!(samples["GPU-a"].activity, want[0]);
+        }
     }
 }
