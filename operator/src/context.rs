@@ -177,7 +177,7 @@ impl ActionLedger {
         records.retain(|r| now.duration_since(r.time.0) < window);
         let missing = records
             .iter()
-            .filter(|r| !status.history.contains(r))
+            .filter(|r| !status.history.iter().any(|h| same_action(h, r)))
             .cloned()
             .collect();
         if records.is_empty() {
@@ -185,6 +185,16 @@ impl ActionLedger {
         }
         missing
     }
+}
+
+/// Whether two history entries record the same action. The API server keeps times to the
+/// second, so an entry read back from a status has lost the fraction the ledger's copy has.
+fn same_action(a: &ReclaimRecord, b: &ReclaimRecord) -> bool {
+    a.pod == b.pod
+        && a.owner == b.owner
+        && a.action == b.action
+        && a.result == b.result
+        && a.time.0.as_second() == b.time.0.as_second()
 }
 
 impl Context {
@@ -325,5 +335,47 @@ mod tests {
             .collect();
         assert_eq!(got, vec![5, 10, 20, 40, 80, 160, 300, 300, 300]);
         assert_eq!(capped_backoff(u32::MAX, min, max), max);
+    }
+
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    fn record(pod: &str, time: Timestamp) -> ReclaimRecord {
+        ReclaimRecord {
+            pod: pod.into(),
+            owner: None,
+            action: "Evict".into(),
+            result: "Succeeded".into(),
+            time: Time(time),
+        }
+    }
+
+    /// The ledger gives back what a status lacks, and nothing it holds, though the status was
+    /// read back from the API server (times to the second); it forgets what left the window.
+    #[test]
+    fn the_ledger_restores_only_what_the_status_lacks() {
+        let ledger = ActionLedger::default();
+        let now: Timestamp = "2026-12-07T10:00:00.750Z".parse().unwrap();
+        let window = SignedDuration::from_mins(10);
+        ledger.note("p", record("ml/a", now));
+        ledger.note("p", record("ml/b", now));
+        // The status as written and read back: ml/a's entry, its time to the second.
+        let written = ReclaimStatus {
+            history: vec![record("ml/a", now)],
+            ..Default::default()
+        };
+        let read_back: ReclaimStatus =
+            serde_json::from_value(serde_json::to_value(&written).unwrap()).unwrap();
+        assert_ne!(read_back.history[0].time, written.history[0].time);
+        let missing = ledger.missing_from("p", &read_back, window, now);
+        assert_eq!(missing, vec![record("ml/b", now)]);
+        // Another pool has its own.
+        assert!(ledger.missing_from("q", &read_back, window, now).is_empty());
+        // Past the window, forgotten.
+        let later = now.checked_add(SignedDuration::from_mins(11)).unwrap();
+        assert!(
+            ledger
+                .missing_from("p", &ReclaimStatus::default(), window, later)
+                .is_empty()
+        );
     }
 }
