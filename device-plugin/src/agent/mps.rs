@@ -15,7 +15,10 @@
 //!
 //! A daemon that exits makes its GPU's replicas Unhealthy until a restart (with backoff, 2 s
 //! doubling to 5 min) is up again. The daemons are the agent's children: an agent restart
-//! restarts them, and the clients of a GPU lose their server with it.
+//! restarts them, and the clients of a GPU lose their server with it. A daemon's stderr is read
+//! as it arrives (its last 2 KiB kept for the exit reason), so a chatty daemon never blocks on a
+//! full pipe; and it is signalled only through the task that owns its process, never by a raw
+//! PID that may have been reaped and reused.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -316,10 +319,19 @@ pub enum Phase {
     },
 }
 
+/// A started daemon's process. The task that waits for it owns the child; a stop goes through
+/// `kill`, so the signal is sent only while the child is unreaped: never to a PID that has
+/// since been reused (with hostPID, by any process of the host).
+#[derive(Debug)]
+struct Process {
+    pid: u32,
+    kill: mpsc::Sender<()>,
+}
+
 struct Daemon {
     spec: DaemonSpec,
     phase: Phase,
-    pid: Option<u32>,
+    process: Option<Process>,
     /// Set by the waiter task when the process ends.
     exit: watch::Receiver<Option<String>>,
     failures: u32,
@@ -392,7 +404,7 @@ impl MpsJob {
                             reason: "not started yet".into(),
                             retry_at: now,
                         },
-                        pid: None,
+                        process: None,
                         exit,
                         failures: 0,
                     })
@@ -400,9 +412,9 @@ impl MpsJob {
             };
             daemon.spec = spec.clone();
             if let Some(reason) = daemon.exit.borrow().clone()
-                && daemon.pid.is_some()
+                && daemon.process.is_some()
             {
-                daemon.pid = None;
+                daemon.process = None;
                 daemon.failures += 1;
                 daemon.phase = Phase::Failed {
                     reason,
@@ -419,9 +431,13 @@ impl MpsJob {
                 Phase::Running => {}
                 Phase::Failed { retry_at, .. } if retry_at > now => at(retry_at),
                 Phase::Failed { .. } => match start(&self.paths, &daemon.spec, self.wake.clone()) {
-                    Ok((pid, exit)) => {
-                        tracing::info!(gpu = index, pid, "MPS control daemon started");
-                        daemon.pid = Some(pid);
+                    Ok((process, exit)) => {
+                        tracing::info!(
+                            gpu = index,
+                            pid = process.pid,
+                            "MPS control daemon started"
+                        );
+                        daemon.process = Some(process);
                         daemon.exit = exit;
                         daemon.phase = Phase::Starting { since: now };
                         at(now + START_POLL);
@@ -446,7 +462,7 @@ impl MpsJob {
                                 tracing::info!(gpu = index, "MPS control daemon running");
                             }
                             Err(reason) => {
-                                kill(daemon.pid.take());
+                                kill(daemon.process.take());
                                 daemon.failures += 1;
                                 let retry_at = now + backoff(daemon.failures);
                                 daemon.phase = Phase::Failed { reason, retry_at };
@@ -454,7 +470,7 @@ impl MpsJob {
                             }
                         }
                     } else if now.duration_since(since) > START_TIMEOUT {
-                        kill(daemon.pid.take());
+                        kill(daemon.process.take());
                         daemon.failures += 1;
                         let retry_at = now + backoff(daemon.failures);
                         daemon.phase = Phase::Failed {
@@ -532,13 +548,15 @@ impl MpsJob {
     }
 
     async fn stop(&self, mut daemon: Daemon) {
-        let Some(pid) = daemon.pid else { return };
+        let Some(process) = daemon.process else {
+            return;
+        };
         if let Err(e) = control(&self.paths, &daemon.spec, &["quit".to_owned()]).await {
             tracing::debug!(gpu = daemon.spec.index, error = %e, "MPS quit");
         }
         let ended = tokio::time::timeout(STOP_TIMEOUT, daemon.exit.wait_for(Option::is_some));
         if !matches!(ended.await, Ok(Ok(_))) {
-            kill(Some(pid));
+            kill(Some(process));
         }
         tracing::info!(gpu = daemon.spec.index, "MPS control daemon stopped");
     }
@@ -550,11 +568,31 @@ fn backoff(failures: u32) -> Duration {
         .min(BACKOFF_MAX)
 }
 
-fn kill(pid: Option<u32>) {
-    if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
-        // SAFETY: kill(2) with a PID this process started; a PID already reaped is harmless.
-        unsafe {
-            libc::kill(pid, libc::SIGKILL);
+/// Asks the daemon's waiter to kill it (a no-op once it has ended).
+fn kill(process: Option<Process>) {
+    if let Some(p) = process {
+        let _ = p.kill.try_send(());
+    }
+}
+
+/// The most of a daemon's stderr kept for its exit reason: its last words.
+const STDERR_TAIL: usize = 2048;
+
+/// Reads `stderr` as it arrives, keeping its last [`STDERR_TAIL`] bytes: a daemon that writes
+/// more than a pipe holds (64 KiB) would otherwise block on its next write, alive but deaf.
+async fn stderr_tail(mut stderr: tokio::process::ChildStderr) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    let mut tail = Vec::with_capacity(STDERR_TAIL);
+    let mut buf = [0u8; 4096];
+    loop {
+        match stderr.read(&mut buf).await {
+            Ok(0) | Err(_) => return tail,
+            Ok(n) => {
+                tail.extend_from_slice(&buf[..n]);
+                if tail.len() > STDERR_TAIL {
+                    tail.drain(..tail.len() - STDERR_TAIL);
+                }
+            }
         }
     }
 }
@@ -572,7 +610,7 @@ fn start(
     paths: &MpsPaths,
     spec: &DaemonSpec,
     wake: Option<mpsc::Sender<()>>,
-) -> Result<(u32, watch::Receiver<Option<String>>), String> {
+) -> Result<(Process, watch::Receiver<Option<String>>), String> {
     let dirs = paths.gpu_dirs(&spec.uuid);
     for dir in [&dirs.pipe, &dirs.log, &dirs.shm] {
         let local = paths.local(dir);
@@ -597,24 +635,33 @@ fn start(
         .map_err(|e| format!("starting {CONTROL_BINARY}: {e}"))?;
     let pid = child.id().ok_or("the daemon exited at once")?;
     let (tx, rx) = watch::channel(None);
+    let (kill_tx, mut kill_rx) = mpsc::channel::<()>(1);
     tokio::spawn(async move {
-        let stderr = child.stderr.take();
-        let status = child.wait().await;
-        let mut why = describe(status);
-        if let Some(mut err) = stderr {
-            let mut buf = Vec::new();
-            use tokio::io::AsyncReadExt;
-            if err.read_to_end(&mut buf).await.is_ok() && !buf.is_empty() {
-                let text = String::from_utf8_lossy(&buf);
-                why = format!("{why}: {}", text.trim());
+        let tail = child.stderr.take().map(|e| tokio::spawn(stderr_tail(e)));
+        let status = tokio::select! {
+            status = child.wait() => status,
+            // Asked to, or its owner is gone: the child is still ours, so the signal is too.
+            _ = kill_rx.recv() => {
+                if let Err(e) = child.start_kill() {
+                    tracing::debug!(pid, error = %e, "killing the MPS daemon");
+                }
+                child.wait().await
             }
+        };
+        let mut why = describe(status);
+        // A process the daemon left behind may hold its stderr open: wait only briefly.
+        if let Some(tail) = tail
+            && let Ok(Ok(buf)) = tokio::time::timeout(Duration::from_secs(1), tail).await
+            && !buf.is_empty()
+        {
+            why = format!("{why}: {}", String::from_utf8_lossy(&buf).trim());
         }
         let _ = tx.send(Some(why));
         if let Some(wake) = wake {
             let _ = wake.try_send(());
         }
     });
-    Ok((pid, rx))
+    Ok((Process { pid, kill: kill_tx }, rx))
 }
 
 /// Sends `spec`'s default limits to its daemon.
@@ -858,8 +905,11 @@ mod tests {
         assert_eq!(sharing[&0].isolation, "Memory");
 
         // A crash: the loop is woken, the GPU reports the daemon down, then it comes back.
-        let pid = job.daemons[&0].pid.unwrap();
-        kill(Some(pid));
+        let pid = job.daemons[&0].process.as_ref().unwrap().pid;
+        // SAFETY: kill(2) of the daemon this test started, still running.
+        unsafe {
+            libc::kill(i32::try_from(pid).unwrap(), libc::SIGKILL);
+        }
         tokio::time::timeout(Duration::from_secs(10), wake_rx.recv())
             .await
             .expect("the loop is woken when the daemon exits");
@@ -906,5 +956,66 @@ mod tests {
             logged(&log, 9).await.last().map(String::as_str),
             Some("quit")
         );
+    }
+
+    /// A daemon that writes more to stderr than a pipe holds before its control pipe is up:
+    /// read as it arrives, it comes up; left unread, it would block on the write, and be killed
+    /// at the start timeout, again and again. Its last words still make the exit reason.
+    #[tokio::test]
+    async fn a_daemon_that_floods_its_stderr_still_comes_up_and_its_last_words_are_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let driver = dir.path().join("driver");
+        gpupool_sim::driver_root::build(&driver, "550.54.15", 1).unwrap();
+        let bin = driver.join("usr/bin");
+        std::fs::rename(
+            bin.join(CONTROL_BINARY),
+            bin.join("nvidia-cuda-mps-control.real"),
+        )
+        .unwrap();
+        let wrapper = bin.join(CONTROL_BINARY);
+        std::fs::write(
+            &wrapper,
+            "#!/bin/sh\nif [ \"${1:-}\" = -f ]; then\n    head -c 300000 /dev/zero | tr '\\0' e >&2\n    echo 'last words' >&2\nfi\nexec \"$0.real\" \"$@\"\n",
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let paths = MpsPaths {
+            root: dir.path().join("mps"),
+            host_root: None,
+            driver_root: driver.clone(),
+            private_shm: false,
+        };
+        let mut job = MpsJob::new(paths.clone());
+        let (wake_tx, mut wake_rx) = mpsc::channel(4);
+        job.set_waker(wake_tx);
+        let spec = DaemonSpec {
+            index: 0,
+            uuid: "GPU-11111111-2222-3333-4444-555555555555".into(),
+            replicas: 2,
+            memory_limit_mib: 1024,
+            active_thread_percentage: 50,
+        };
+        let want = [spec.clone()];
+        let running = |j: &MpsJob| j.states().get(&0) == Some(&Ok(()));
+        assert!(
+            sync_until(&mut job, &want, running).await,
+            "{:?}",
+            job.states()
+        );
+        // Killed from outside: the reason ends with what it last wrote, and no more of it.
+        let pid = job.daemons[&0].process.as_ref().unwrap().pid;
+        // SAFETY: kill(2) of the daemon this test started, still running.
+        unsafe {
+            libc::kill(i32::try_from(pid).unwrap(), libc::SIGKILL);
+        }
+        tokio::time::timeout(Duration::from_secs(10), wake_rx.recv())
+            .await
+            .expect("the loop is woken when the daemon exits");
+        job.sync(&want, Instant::now()).await;
+        let down = job.states()[&0].clone().unwrap_err();
+        assert!(down.contains("last words"), "{down}");
+        assert!(down.len() < STDERR_TAIL + 200, "{} bytes", down.len());
+        job.stop_all().await;
     }
 }
