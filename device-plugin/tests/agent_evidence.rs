@@ -359,3 +359,142 @@ async fn a_foreign_pid_namespace_fails_its_check_reports_unknown_and_holds_mig()
         assert_eq!(node.mig_uuids(), before, "the instances are intact");
     }
 }
+
+mod sharing {
+    use super::*;
+    use gpupool_crds::node::GpuStatus;
+    use gpupool_crds::policy::{MigStrategy, SharingPolicy, TimeSlicingPolicy};
+    use gpupool_device_plugin::agent::advertise::MpsView;
+    use gpupool_device_plugin::agent::advertisement;
+    use gpupool_device_plugin::agent::sharing_gate::SharingGate;
+    use gpupool_device_plugin::plugin::Topology;
+    use gpupool_device_plugin::podresources;
+
+    fn time_sliced_l4(replicas: u32) -> SharingPolicy {
+        SharingPolicy {
+            time_slicing: Some(TimeSlicingPolicy {
+                replicas,
+                rename_by_default: false,
+                fail_requests_greater_than_one: true,
+                placement: Default::default(),
+                resources: None,
+                gpus: Some(vec![1]),
+                models: None,
+            }),
+            mps: None,
+        }
+    }
+
+    /// One agent pass over sharing, as `reconcile` does it: PodResources read now, the gate,
+    /// then the devices the kubelet plugins would advertise (withheld GPUs left out). Returns
+    /// the replica IDs advertised on the L4 (GPU 1) and whether it is advertised at all.
+    async fn pass(node: &Node, gate: &mut SharingGate, desired: &SharingPolicy) -> (usize, bool) {
+        let inv = node.inventory();
+        let pods = podresources::list_pod_devices(&node.socket, Duration::from_secs(5))
+            .await
+            .map_err(|e| e.to_string());
+        let applied = gate.step(
+            &inv,
+            desired,
+            MigStrategy::None,
+            pods.as_ref().map_err(String::as_str),
+        );
+        let mut shown = inv.clone();
+        shown
+            .gpus
+            .retain(|g| !gate.withheld().contains(&g.device.index));
+        let adv = advertisement(
+            &shown,
+            MigStrategy::None,
+            &[],
+            &applied,
+            &MpsView::default(),
+            Arc::new(Topology::new()),
+        );
+        let on_l4: Vec<_> = adv
+            .resources
+            .values()
+            .flatten()
+            .filter(|d| d.parent_gpu == 1)
+            .collect();
+        let replicas = on_l4.iter().filter(|d| d.replica.is_some()).count();
+        (replicas, !on_l4.is_empty())
+    }
+
+    /// (b) The agent restarts halfway through an exclusive → time-sliced change on the L4,
+    /// which a pod holds exclusively: the new agent does not switch the mode under the pod,
+    /// from the pod's evidence alone and from the last published status alike.
+    #[tokio::test]
+    async fn a_restarted_agent_does_not_switch_the_mode_under_an_exclusive_pod() {
+        let node = Node::start();
+        let l4 = node.inventory().gpus[1].device.uuid.to_string();
+        node.hold(vec![pod("train-0", "nvidia.com/gpu", &[&l4])]);
+        let desired = time_sliced_l4(4);
+        let published = vec![
+            GpuStatus {
+                index: 0,
+                ..Default::default()
+            },
+            GpuStatus {
+                index: 1,
+                ..Default::default()
+            },
+        ];
+        for status in [None, Some(published)] {
+            // A fresh gate: what a restarted agent starts with.
+            let mut gate = SharingGate::default();
+            if let Some(gpus) = &status {
+                gate.restore(gpus);
+            }
+            for _ in 0..3 {
+                let (replicas, shown) = pass(&node, &mut gate, &desired).await;
+                assert_eq!(replicas, 0, "no replicas while the pod holds the L4");
+                assert!(shown, "the L4 stays advertised, exclusive");
+                assert_eq!(gate.draining(), [1]);
+                let held = gate.status(NodeMigStatus::default());
+                assert_eq!(held.state, MigState::Draining);
+                assert_eq!(held.reason.as_deref(), Some("SharingChange"));
+            }
+        }
+        // The pod left: the change goes through.
+        let mut gate = SharingGate::default();
+        node.hold(vec![]);
+        assert_eq!(pass(&node, &mut gate, &desired).await, (4, true));
+        assert!(gate.draining().is_empty());
+    }
+
+    /// (c) PodResources fails: no sharing switch, after a restart or not, and the hold says
+    /// why.
+    #[tokio::test]
+    async fn an_unreadable_pod_resources_switches_no_sharing_mode() {
+        let node = Node::start();
+        node.fail_pod_resources();
+        let desired = time_sliced_l4(4);
+        // A restarted agent whose last status shows the L4 exclusive.
+        let mut gate = SharingGate::default();
+        gate.restore(&[GpuStatus {
+            index: 1,
+            ..Default::default()
+        }]);
+        let (replicas, _) = pass(&node, &mut gate, &desired).await;
+        assert_eq!(replicas, 0, "not switched on unknown pods");
+        let held = gate.status(NodeMigStatus::default());
+        assert_eq!(held.state, MigState::Draining);
+        assert!(
+            held.message.unwrap_or_default().contains("cannot be read"),
+            "the hold says why"
+        );
+        // A running agent with the L4 exclusive and a change arriving while the kubelet fails.
+        node.hold(vec![]);
+        let mut gate = SharingGate::default();
+        assert_eq!(
+            pass(&node, &mut gate, &SharingPolicy::default()).await,
+            (0, true)
+        );
+        node.fail_pod_resources();
+        assert_eq!(pass(&node, &mut gate, &desired).await.0, 0);
+        assert_eq!(gate.draining(), [1]);
+        node.hold(vec![]);
+        assert_eq!(pass(&node, &mut gate, &desired).await, (4, true));
+    }
+}

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use gpupool_crds::node::{CheckResult, GpuNode, PodRef, Verdict};
+use gpupool_crds::node::{CheckResult, GpuNode, Verdict};
 use gpupool_crds::policy::SharingPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
@@ -33,6 +33,10 @@ use crate::cdi::DriverRoot;
 use crate::inventory::Inventory;
 use crate::pidns::HostPidNamespace;
 use crate::plugin::{self, Advertisement, Topology};
+use crate::podresources;
+
+/// How long one PodResources read for the sharing gate may take.
+const POD_RESOURCES_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Everything the agent keeps about its node between passes, job by job.
 pub struct NodeState {
@@ -147,6 +151,7 @@ impl NodeState {
         if !self.mig_restored {
             if let Some(status) = &gpunode.status {
                 self.mig.restore(&status.mig, generation);
+                self.sharing_gate.restore(&status.gpus);
             }
             self.mig_restored = true;
         }
@@ -216,10 +221,24 @@ impl NodeState {
                     .clone()
                     .unwrap_or_else(|| spec.cdi.driver_root.clone().into()),
             );
-            let occupied = occupied_gpus(inv, &self.sampling.pods);
-            self.sharing = self
-                .sharing_gate
-                .step(inv, &spec.sharing, spec.mig.strategy, &occupied);
+            // A pending change decides on PodResources read now, not on the last sample (which
+            // a restarted agent has not taken yet).
+            let fresh = if self.sharing_gate.settled(&spec.sharing) {
+                Ok(BTreeMap::new())
+            } else {
+                podresources::list_pod_devices(
+                    &agent.config.pod_resources_socket,
+                    POD_RESOURCES_TIMEOUT,
+                )
+                .await
+                .map_err(|e| e.to_string())
+            };
+            self.sharing = self.sharing_gate.step(
+                inv,
+                &spec.sharing,
+                spec.mig.strategy,
+                fresh.as_ref().map_err(String::as_str),
+            );
             let daemons = mps::desired(inv, self.sharing.mps.as_ref());
             mps_wake = self.mps.sync(&daemons, Instant::now()).await;
             let mps_view = MpsView {
@@ -231,8 +250,24 @@ impl NodeState {
                     .filter_map(|(i, s)| s.err().map(|why| (i, why)))
                     .collect(),
             };
+            let withheld = self.sharing_gate.withheld();
+            let shown;
+            let advertised = if withheld.is_empty() {
+                inv
+            } else {
+                shown = Inventory {
+                    gpus: inv
+                        .gpus
+                        .iter()
+                        .filter(|g| !withheld.contains(&g.device.index))
+                        .cloned()
+                        .collect(),
+                    ..inv.clone()
+                };
+                &shown
+            };
             let adv = advertisement(
-                inv,
+                advertised,
                 spec.mig.strategy,
                 &spec.cdi.device_name_strategies,
                 &self.sharing,
@@ -361,24 +396,6 @@ impl NodeState {
             foreign_device_plugins: self.foreign.findings().map(|f| f.live.len() as u32),
         }));
     }
-}
-
-/// The GPUs pods hold, from the devices PodResources names (a GPU's UUID, or a MIG device's on
-/// it).
-fn occupied_gpus(
-    inv: &Inventory,
-    pods: &BTreeMap<String, Vec<PodRef>>,
-) -> std::collections::BTreeSet<u32> {
-    inv.gpus
-        .iter()
-        .filter(|g| {
-            let own = std::iter::once(g.device.uuid.to_string());
-            let migs = g.mig_devices.iter().map(|m| m.uuid.to_string());
-            own.chain(migs)
-                .any(|id| pods.get(&id).is_some_and(|p| !p.is_empty()))
-        })
-        .map(|g| g.device.index)
-        .collect()
 }
 
 /// The driver checks with the host PID namespace check added: always once the driver checks
