@@ -980,11 +980,15 @@ mod tests {
         .unwrap();
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
         let paths = MpsPaths {
             root: dir.path().join("mps"),
             host_root: None,
             driver_root: driver.clone(),
-            private_shm: false,
+            // The fake daemon marks its /dev/shm: the host's must stay unmarked for the other
+            // test, which checks it.
+            private_shm: root,
         };
         let mut job = MpsJob::new(paths.clone());
         let (wake_tx, mut wake_rx) = mpsc::channel(4);
