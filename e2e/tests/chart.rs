@@ -23,6 +23,7 @@ use gpupool_e2e::manifest::parse_objects;
 use gpupool_e2e::wait::poll;
 use gpupool_e2e::{Cluster, TestScope, Tools, crds, repo_root};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Api;
 use kube::runtime::wait::{await_condition, conditions};
@@ -374,6 +375,146 @@ fn default_render_has_the_documented_shape() -> Result<()> {
     Ok(())
 }
 
+/// Whether every `key: value` of a `matchLabels` selector is among `labels`.
+fn selects(selector: &serde_json::Value, labels: &serde_json::Value) -> bool {
+    selector
+        .as_object()
+        .is_some_and(|s| s.iter().all(|(k, v)| labels.get(k) == Some(v)))
+}
+
+/// `networkPolicy`: nothing by default. Enabled, one NetworkPolicy per component in that
+/// component's namespace, selecting exactly its pods (no hook Job or test pod), ingress only,
+/// on the metrics port its probes use, from exactly `networkPolicy.metricsFrom`; with no peer
+/// listed, no ingress at all.
+#[test]
+fn network_policy_admits_only_the_listed_peers_to_the_metrics_ports() -> Result<()> {
+    let tools = Tools::ensure()?;
+    let docs = |sets: &[&str]| -> Result<Vec<serde_json::Value>> {
+        let text = template(&tools, "r", "gs", sets)?;
+        Ok(parse_objects(&text, std::path::Path::new("helm-template"))?
+            .into_iter()
+            .map(|m| serde_json::to_value(&m.object))
+            .collect::<Result<_, _>>()?)
+    };
+    let policies = |docs: &[serde_json::Value]| -> Vec<serde_json::Value> {
+        docs.iter()
+            .filter(|o| o["kind"] == "NetworkPolicy")
+            .cloned()
+            .collect()
+    };
+    let find = |docs: &[serde_json::Value], kind: &str, name: &str| {
+        docs.iter()
+            .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+            .cloned()
+            .with_context(|| format!("no {kind}/{name}"))
+    };
+
+    let default = docs(&[])?;
+    ensure!(
+        policies(&default).is_empty(),
+        "a NetworkPolicy rendered by default"
+    );
+
+    let enabled = docs(&[
+        "networkPolicy.enabled=true",
+        "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name=monitoring",
+        "networkPolicy.metricsFrom[0].podSelector.matchLabels.app=prometheus",
+        "operator.metricsPort=9090",
+        "agent.metricsPort=9100",
+    ])?;
+    ensure!(
+        policies(&enabled).len() == 2,
+        "{} NetworkPolicies",
+        policies(&enabled).len()
+    );
+    let peers = json!([{
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app": "prometheus"}},
+    }]);
+    // Every pod the chart can make: workloads' templates, hook Jobs' and the test pod.
+    let pods: Vec<(String, &serde_json::Value, &serde_json::Value)> = enabled
+        .iter()
+        .filter_map(|o| {
+            let name = format!(
+                "{}/{}",
+                o["kind"].as_str().unwrap_or_default(),
+                o["metadata"]["name"].as_str().unwrap_or_default()
+            );
+            let ns = &o["metadata"]["namespace"];
+            if o["kind"] == "Pod" {
+                Some((name, ns, &o["metadata"]["labels"]))
+            } else {
+                let labels = &o["spec"]["template"]["metadata"]["labels"];
+                labels.is_object().then_some((name, ns, labels))
+            }
+        })
+        .collect();
+    for (workload_kind, workload_name, policy_name, namespace, port) in [
+        (
+            "Deployment",
+            "r-gpupool-operator",
+            "r-gpupool-operator-metrics",
+            "gs",
+            9090,
+        ),
+        (
+            "DaemonSet",
+            "r-gpupool-agent",
+            "r-gpupool-agent-metrics",
+            "r-node",
+            9100,
+        ),
+    ] {
+        let workload = find(&enabled, workload_kind, workload_name)?;
+        let policy = find(&enabled, "NetworkPolicy", policy_name)?;
+        assert_eq!(policy["metadata"]["namespace"], namespace, "{policy_name}");
+        assert_eq!(
+            workload["metadata"]["namespace"], namespace,
+            "{workload_name}"
+        );
+
+        let selector = &policy["spec"]["podSelector"]["matchLabels"];
+        let selected: Vec<&str> = pods
+            .iter()
+            .filter(|(_, ns, labels)| *ns == namespace && selects(selector, labels))
+            .map(|(name, _, _)| name.as_str())
+            .collect();
+        assert_eq!(
+            selected,
+            [format!("{workload_kind}/{workload_name}")],
+            "{policy_name} selects the wrong pods"
+        );
+
+        assert_eq!(
+            policy["spec"]["policyTypes"],
+            json!(["Ingress"]),
+            "{policy_name}"
+        );
+        assert_eq!(
+            policy["spec"]["ingress"],
+            json!([{"from": peers, "ports": [{"port": port, "protocol": "TCP"}]}]),
+            "{policy_name}"
+        );
+        // The port the policy opens is the one the server listens on and the probes use.
+        let c = &workload["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(
+            c["ports"],
+            json!([{"name": "metrics", "containerPort": port, "protocol": "TCP"}])
+        );
+        assert_eq!(c["livenessProbe"]["httpGet"]["port"], "metrics");
+    }
+
+    // Enabled with no peer: both policies admit nobody (the kubelet's probes, from the node,
+    // are not subject to them).
+    let closed = docs(&["networkPolicy.enabled=true"])?;
+    let closed = policies(&closed);
+    ensure!(closed.len() == 2, "{} NetworkPolicies", closed.len());
+    for p in closed {
+        assert_eq!(p["spec"]["ingress"], json!([]), "{}", p["metadata"]["name"]);
+    }
+    Ok(())
+}
+
 /// Renders with `sets` and applies with `--dry-run=server --validate=strict`; returns what
 /// kubectl printed.
 fn server_dry_run(cluster: &Cluster, release: &str, ns: &str, sets: &[&str]) -> Result<String> {
@@ -402,6 +543,20 @@ async fn rendered_chart_passes_strict_server_side_validation() -> Result<()> {
     let agent_ns = format!("{release}-node");
     cluster.kubectl().run(["create", "namespace", &agent_ns])?;
     let _cleanup = NamespaceGuard(cluster, agent_ns.clone());
+    // The `helm test` pod runs as the release namespace's default ServiceAccount, which the
+    // controller manager creates a few seconds after the namespace; until then the apiserver
+    // refuses the pod, dry run or not.
+    let accounts: Api<ServiceAccount> = Api::namespaced(cluster.client().await?, scope.namespace());
+    poll(
+        "the release namespace's default ServiceAccount",
+        Duration::from_secs(60),
+        Duration::from_millis(250),
+        || {
+            let accounts = accounts.clone();
+            async move { Ok(accounts.get_opt("default").await?.map(|_| ())) }
+        },
+    )
+    .await?;
 
     let out = server_dry_run(cluster, &release, scope.namespace(), &[])?;
     assert!(
@@ -437,9 +592,17 @@ async fn rendered_chart_passes_strict_server_side_validation() -> Result<()> {
             "defaultPool.enabled=true",
             &pool_name,
             "commonLabels.team=ml",
+            "networkPolicy.enabled=true",
+            "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name=monitoring",
+            "networkPolicy.metricsFrom[0].podSelector.matchLabels.app=prometheus",
+            "networkPolicy.metricsFrom[1].ipBlock.cidr=10.0.0.0/8",
         ],
     )?;
     assert!(out.contains("-hooks-default-pool"), "{out}");
+    assert!(
+        out.matches("networkpolicy.networking.k8s.io/").count() == 2,
+        "{out}"
+    );
     assert!(!out.contains("customresourcedefinition"), "{out}");
     assert!(!out.contains("validatingadmissionpolicy"), "{out}");
     Ok(())
@@ -480,6 +643,10 @@ async fn wrong_values_fail_with_the_schema_message() -> Result<()> {
         (
             "uninstall.timeoutSeconds=0",
             "at '/uninstall/timeoutSeconds'",
+        ),
+        (
+            "networkPolicy.metricsFrom[0].podselector.app=x",
+            "at '/networkPolicy/metricsFrom/0': additional properties 'podselector' not allowed",
         ),
     ] {
         let run = helm_try(&tools, None, &["template", "x", &chart, "--set", set])?;

@@ -3,8 +3,14 @@
 //!
 //! The operator and the node agent both serve through [`serve`], so probes, content types and
 //! error handling behave the same in both.
+//!
+//! Any pod that can reach the port can open connections, so the server bounds what they
+//! cost ([`Limits`]): a cap on open connections, a header read timeout and a maximum
+//! connection age. A failed `accept()` is retried after a short pause rather than ending the
+//! server, since a dead server fails `/healthz` and gets the binary restarted.
 
 use std::convert::Infallible;
+use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,7 +24,9 @@ use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::registry::Registry;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -27,10 +35,6 @@ pub mod testing;
 
 /// The `Content-Type` of `/metrics`.
 pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-
-/// A client that never finishes its request headers is dropped after this long, so idle or
-/// slow connections cannot pile up.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What can fail while serving.
 #[derive(Debug, thiserror::Error)]
@@ -43,9 +47,10 @@ pub enum Error {
         /// Why.
         source: std::io::Error,
     },
-    /// The listening socket failed.
-    #[error("accepting a connection on the metrics and health endpoint: {0}")]
-    Accept(#[source] std::io::Error),
+    /// The listening socket's address could not be read (failed accepts are retried, never
+    /// returned).
+    #[error("reading the local address of the metrics and health endpoint's listener: {0}")]
+    LocalAddr(#[source] std::io::Error),
     /// A collector failed to encode its metrics.
     #[error("encoding the metrics registry in the OpenMetrics text format")]
     Encode(#[source] std::fmt::Error),
@@ -155,58 +160,236 @@ fn respond(state: &HttpState, method: &Method, path: &str) -> Response<Full<Byte
     }
 }
 
-/// Binds `addr` and serves until `shutdown` is cancelled.
+/// The most connections the server holds open at once, unless [`Limits`] say otherwise.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+
+/// A client that never finishes its request headers is dropped after this long, so idle or
+/// slow connections cannot pile up. It also bounds an idle keep-alive connection: hyper starts
+/// the same timer again as soon as a response is written.
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// No connection stays open longer than this, whatever it does: a client that sends a request
+/// and never reads the answer would otherwise hold its slot for good.
+pub const DEFAULT_MAX_CONNECTION_AGE: Duration = Duration::from_secs(60);
+
+/// The first pause after a failed `accept()`; each further failure doubles it.
+const ACCEPT_BACKOFF_FIRST: Duration = Duration::from_millis(10);
+
+/// The longest pause between `accept()` attempts.
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// How much of the process one client can take: the server accepts a connection only while
+/// fewer than `max_connections` are open, so a flood of idle connections waits in the
+/// kernel's accept queue and `/healthz` gets its turn as soon as the timeouts cut them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// The most connections open at once (at least 1).
+    pub max_connections: usize,
+    /// How long a connection may take to send a request's headers, first or next.
+    pub header_read_timeout: Duration,
+    /// How long a connection may stay open at all.
+    pub max_connection_age: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            max_connection_age: DEFAULT_MAX_CONNECTION_AGE,
+        }
+    }
+}
+
+/// The pause before the next `accept()` after failures: 10 ms doubling to 1 s, back to 10 ms
+/// after a success. A failed accept (EMFILE, ECONNABORTED, ENOBUFS) is nearly always
+/// transient; retrying at once would spin on a full file table, and giving up would take
+/// `/healthz` down with it.
+#[derive(Debug)]
+struct AcceptBackoff {
+    next: Duration,
+}
+
+impl Default for AcceptBackoff {
+    fn default() -> Self {
+        Self {
+            next: ACCEPT_BACKOFF_FIRST,
+        }
+    }
+}
+
+impl AcceptBackoff {
+    /// Records a failure; returns how long to wait before trying again.
+    fn failed(&mut self) -> Duration {
+        let pause = self.next;
+        self.next = (self.next * 2).min(ACCEPT_BACKOFF_MAX);
+        pause
+    }
+
+    /// Records a success: the next failure waits the shortest pause again.
+    fn succeeded(&mut self) {
+        self.next = ACCEPT_BACKOFF_FIRST;
+    }
+}
+
+/// Where connections come from: a TCP listener in production, an in-memory queue in tests
+/// (which can also hand out the errors a real listener gives under pressure).
+trait Acceptor: Send {
+    /// One accepted connection.
+    type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+
+    /// Waits for the next connection.
+    fn accept(&mut self) -> impl Future<Output = io::Result<Self::Stream>> + Send;
+}
+
+impl Acceptor for TcpListener {
+    type Stream = TcpStream;
+
+    async fn accept(&mut self) -> io::Result<TcpStream> {
+        TcpListener::accept(self).await.map(|(stream, _)| stream)
+    }
+}
+
+/// Binds `addr` and serves until `shutdown` is cancelled, within the default [`Limits`].
 pub async fn serve(
     addr: SocketAddr,
     state: Arc<HttpState>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    serve_with_limits(addr, state, shutdown, Limits::default()).await
+}
+
+/// [`serve`] within `limits`.
+pub async fn serve_with_limits(
+    addr: SocketAddr,
+    state: Arc<HttpState>,
+    shutdown: CancellationToken,
+    limits: Limits,
+) -> Result<(), Error> {
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|source| Error::Bind { addr, source })?;
-    serve_on(listener, state, shutdown).await
+    serve_on_with_limits(listener, state, shutdown, limits).await
 }
 
-/// Serves on a bound listener until `shutdown` is cancelled; connections already open finish
-/// their current request on their own.
+/// Serves on a bound listener until `shutdown` is cancelled, within the default [`Limits`];
+/// connections already open finish their current request on their own.
 pub async fn serve_on(
     listener: TcpListener,
     state: Arc<HttpState>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let addr = listener.local_addr().map_err(Error::Accept)?;
+    serve_on_with_limits(listener, state, shutdown, Limits::default()).await
+}
+
+/// [`serve_on`] within `limits`.
+pub async fn serve_on_with_limits(
+    listener: TcpListener,
+    state: Arc<HttpState>,
+    shutdown: CancellationToken,
+    limits: Limits,
+) -> Result<(), Error> {
+    let addr = listener.local_addr().map_err(Error::LocalAddr)?;
     // The e2e harness finds a server's port by this message and its `addr=` field.
-    info!(addr = %addr, "serving /metrics, /healthz, /readyz");
+    info!(
+        addr = %addr,
+        max_connections = limits.max_connections,
+        "serving /metrics, /healthz, /readyz"
+    );
+    serve_accepted(listener, state, shutdown, limits).await;
+    Ok(())
+}
+
+/// The accept loop. It takes a connection slot before it accepts, and the connection holds
+/// the slot until it closes: past the cap, clients wait in the listen queue rather than being
+/// accepted and dropped, so a probe queued behind a flood is answered once the flood's
+/// connections time out. A failed accept is logged and retried after [`AcceptBackoff`]'s
+/// pause; only `shutdown` ends the loop.
+async fn serve_accepted<A: Acceptor>(
+    mut acceptor: A,
+    state: Arc<HttpState>,
+    shutdown: CancellationToken,
+    limits: Limits,
+) {
+    let slots = Arc::new(Semaphore::new(
+        limits.max_connections.clamp(1, Semaphore::MAX_PERMITS),
+    ));
+    let mut backoff = AcceptBackoff::default();
     loop {
-        let (stream, _) = tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
-            accepted = listener.accept() => accepted.map_err(Error::Accept)?,
+        let slot = tokio::select! {
+            () = shutdown.cancelled() => return,
+            slot = slots.clone().acquire_owned() => slot,
         };
-        let state = state.clone();
-        tokio::spawn(async move {
-            let svc = service_fn(move |req: Request<Incoming>| {
-                let resp = respond(&state, req.method(), req.uri().path());
-                async move { Ok::<_, Infallible>(resp) }
-            });
-            if let Err(e) = http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), svc)
-                .await
-            {
-                debug!(error = %e, "HTTP connection ended with an error");
+        // `slots` is never closed (nothing calls `close` on it), so acquiring cannot fail.
+        let Ok(slot) = slot else { return };
+        let accepted = tokio::select! {
+            () = shutdown.cancelled() => return,
+            accepted = acceptor.accept() => accepted,
+        };
+        let stream = match accepted {
+            Ok(stream) => {
+                backoff.succeeded();
+                stream
             }
-        });
+            Err(error) => {
+                let pause = backoff.failed();
+                warn!(
+                    error = %error,
+                    retry_in_ms = pause.as_millis(),
+                    "accepting a connection on the metrics and health endpoint failed; retrying"
+                );
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(pause) => continue,
+                }
+            }
+        };
+        if slots.available_permits() == 0 {
+            debug!(
+                max_connections = limits.max_connections,
+                "metrics and health endpoint at its connection cap; new clients wait"
+            );
+        }
+        tokio::spawn(serve_connection(stream, state.clone(), slot, limits));
+    }
+}
+
+/// Serves one connection, holding `_slot` until it closes.
+async fn serve_connection<S>(
+    stream: S,
+    state: Arc<HttpState>,
+    _slot: OwnedSemaphorePermit,
+    limits: Limits,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let svc = service_fn(move |req: Request<Incoming>| {
+        let resp = respond(&state, req.method(), req.uri().path());
+        async move { Ok::<_, Infallible>(resp) }
+    });
+    let connection = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .serve_connection(TokioIo::new(stream), svc);
+    match tokio::time::timeout(limits.max_connection_age, connection).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => debug!(error = %e, "HTTP connection ended with an error"),
+        Err(_) => debug!(
+            max_age_s = limits.max_connection_age.as_secs(),
+            "closed an HTTP connection open past its maximum age"
+        ),
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::AtomicU64;
+    use std::sync::atomic::{AtomicU64, AtomicUsize};
 
     use http_body_util::BodyExt;
     use prometheus_client::metrics::counter::Counter;
     use prometheus_client::metrics::gauge::Gauge;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+    use tokio::sync::mpsc;
 
     use super::*;
     use crate::testing::request;
@@ -357,6 +540,242 @@ mod tests {
             head.ends_with("\r\n\r\n"),
             "a HEAD answer has no body: {head}"
         );
+
+        shutdown.cancel();
+        server.await.unwrap().unwrap();
+    }
+
+    /// An [`Acceptor`] fed by the test: streams or errors, in order; it counts the
+    /// connections the server has taken.
+    struct QueueAcceptor {
+        queue: mpsc::UnboundedReceiver<io::Result<DuplexStream>>,
+        taken: Arc<AtomicUsize>,
+    }
+
+    impl Acceptor for QueueAcceptor {
+        type Stream = DuplexStream;
+
+        async fn accept(&mut self) -> io::Result<DuplexStream> {
+            match self.queue.recv().await {
+                Some(accepted) => {
+                    if accepted.is_ok() {
+                        self.taken.fetch_add(1, Ordering::SeqCst);
+                    }
+                    accepted
+                }
+                // Like a listener nobody connects to.
+                None => std::future::pending().await,
+            }
+        }
+    }
+
+    /// A server on a [`QueueAcceptor`]: the queue's sender, the taken count, the shutdown
+    /// token and the server's task.
+    fn queue_server(
+        limits: Limits,
+    ) -> (
+        mpsc::UnboundedSender<io::Result<DuplexStream>>,
+        Arc<AtomicUsize>,
+        CancellationToken,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let (tx, queue) = mpsc::unbounded_channel();
+        let taken = Arc::new(AtomicUsize::new(0));
+        let acceptor = QueueAcceptor {
+            queue,
+            taken: taken.clone(),
+        };
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(serve_accepted(
+            acceptor,
+            Arc::new(HttpState::new(Registry::default())),
+            shutdown.clone(),
+            limits,
+        ));
+        (tx, taken, shutdown, server)
+    }
+
+    /// Queues a new in-memory connection (buffers of `buffer` bytes each way) and returns the
+    /// client's end.
+    fn connect(
+        tx: &mpsc::UnboundedSender<io::Result<DuplexStream>>,
+        buffer: usize,
+    ) -> DuplexStream {
+        let (client, server) = tokio::io::duplex(buffer);
+        tx.send(Ok(server)).unwrap();
+        client
+    }
+
+    /// Sends `GET path` with `Connection: close` and reads the whole answer.
+    async fn ask(client: &mut DuplexStream, path: &str) -> String {
+        client
+            .write_all(
+                format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").as_bytes(),
+            )
+            .await
+            .unwrap();
+        let mut answer = String::new();
+        client.read_to_string(&mut answer).await.unwrap();
+        answer
+    }
+
+    fn test_limits(max_connections: usize) -> Limits {
+        Limits {
+            max_connections,
+            header_read_timeout: Duration::from_secs(5),
+            max_connection_age: Duration::from_secs(60),
+        }
+    }
+
+    /// Far beyond every timeout the tests configure; time is paused, so waiting costs
+    /// nothing and a `timeout` fires only when the server can make no further progress.
+    const VIRTUAL_DEADLINE: Duration = Duration::from_secs(3600);
+
+    #[test]
+    fn accept_backoff_doubles_to_a_second_and_resets_on_success() {
+        let mut backoff = AcceptBackoff::default();
+        let pauses: Vec<u128> = (0..9).map(|_| backoff.failed().as_millis()).collect();
+        assert_eq!(pauses, [10, 20, 40, 80, 160, 320, 640, 1000, 1000]);
+        backoff.succeeded();
+        assert_eq!(backoff.failed(), Duration::from_millis(10));
+    }
+
+    /// EMFILE (too many open files) and ECONNABORTED are what a listener returns under
+    /// pressure; the server waits and accepts again rather than ending, so the next client
+    /// is served.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_accept_does_not_end_the_server() {
+        let (tx, taken, shutdown, server) = queue_server(test_limits(8));
+        tx.send(Err(io::Error::from_raw_os_error(24))).unwrap();
+        tx.send(Err(io::Error::from(io::ErrorKind::ConnectionAborted)))
+            .unwrap();
+        let mut client = connect(&tx, 4096);
+
+        let answer = tokio::time::timeout(VIRTUAL_DEADLINE, ask(&mut client, "/healthz"))
+            .await
+            .expect("the connection queued after the failed accepts was never served");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert_eq!(taken.load(Ordering::SeqCst), 1);
+        assert!(!server.is_finished(), "the server ended");
+
+        shutdown.cancel();
+        server.await.unwrap();
+    }
+
+    /// A flood of connections that send nothing: the server holds at most `max_connections`
+    /// of them, the rest wait to be accepted, and the header read timeout cuts the held ones
+    /// a batch at a time until the probe queued behind them all is answered.
+    #[tokio::test(start_paused = true)]
+    async fn idle_connections_past_the_cap_wait_and_the_probe_behind_them_is_answered() {
+        let cap = 8;
+        let (tx, taken, shutdown, server) = queue_server(test_limits(cap));
+        let idle: Vec<DuplexStream> = (0..200).map(|_| connect(&tx, 1024)).collect();
+        let mut probe = connect(&tx, 4096);
+
+        // Well within the header read timeout: every task runs until it waits, and then only
+        // the first `cap` connections have been taken.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(taken.load(Ordering::SeqCst), cap);
+
+        let answer = tokio::time::timeout(VIRTUAL_DEADLINE, ask(&mut probe, "/healthz"))
+            .await
+            .expect("the probe behind the idle connections was never answered");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert_eq!(taken.load(Ordering::SeqCst), idle.len() + 1);
+
+        shutdown.cancel();
+        server.await.unwrap();
+    }
+
+    /// A connection left idle after a keep-alive request gives its slot back once the header
+    /// read timeout passes, long before its maximum age.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_keep_alive_connection_gives_its_slot_back() {
+        let limits = Limits {
+            max_connection_age: VIRTUAL_DEADLINE * 2,
+            ..test_limits(1)
+        };
+        let (tx, taken, shutdown, server) = queue_server(limits);
+        let mut kept = connect(&tx, 4096);
+        kept.write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        while !answer.ends_with(b"\r\n\r\nok\n") {
+            let mut chunk = [0u8; 256];
+            let n = kept.read(&mut chunk).await.unwrap();
+            assert_ne!(n, 0, "closed before the answer: {answer:?}");
+            answer.extend_from_slice(&chunk[..n]);
+        }
+        assert!(answer.starts_with(b"HTTP/1.1 200"));
+
+        let mut probe = connect(&tx, 4096);
+        let answer = tokio::time::timeout(VIRTUAL_DEADLINE, ask(&mut probe, "/healthz"))
+            .await
+            .expect("the idle keep-alive connection kept the only slot");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert_eq!(taken.load(Ordering::SeqCst), 2);
+
+        shutdown.cancel();
+        server.await.unwrap();
+    }
+
+    /// A client that sends a request and never reads the answer stalls the server's write,
+    /// where no read timeout applies; the maximum connection age still frees its slot.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_never_reads_is_cut_at_the_maximum_age() {
+        let (tx, taken, shutdown, server) = queue_server(test_limits(1));
+        // 16 bytes each way: the answer cannot fit, so the server's write waits on the client.
+        let mut stalled = connect(&tx, 16);
+        stalled
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let mut probe = connect(&tx, 4096);
+
+        let answer = tokio::time::timeout(VIRTUAL_DEADLINE, ask(&mut probe, "/healthz"))
+            .await
+            .expect("the client that never reads kept the only slot");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert_eq!(taken.load(Ordering::SeqCst), 2);
+        drop(stalled);
+
+        shutdown.cancel();
+        server.await.unwrap();
+    }
+
+    /// The same flood over real TCP: 200 connections that send nothing against a cap of 8,
+    /// and `/healthz` is still answered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_tcp_connections_do_not_starve_healthz() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let limits = Limits {
+            max_connections: 8,
+            header_read_timeout: Duration::from_millis(50),
+            max_connection_age: Duration::from_secs(3600),
+        };
+        let server = tokio::spawn(serve_on_with_limits(
+            listener,
+            Arc::new(HttpState::new(Registry::default())),
+            shutdown.clone(),
+            limits,
+        ));
+        let mut idle = Vec::new();
+        for _ in 0..200 {
+            idle.push(TcpStream::connect(addr).await.unwrap());
+        }
+
+        let answer = tokio::time::timeout(
+            Duration::from_secs(60),
+            request(addr, "GET /healthz HTTP/1.1"),
+        )
+        .await
+        .expect("/healthz not answered behind 200 idle connections")
+        .unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        drop(idle);
 
         shutdown.cancel();
         server.await.unwrap().unwrap();
