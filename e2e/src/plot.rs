@@ -1,4 +1,4 @@
-//! A small SVG line chart, for the README's picture of the series a real Prometheus scraped in
+//! A small SVG line chart, for docs/observability.md's picture of the series a real Prometheus scraped in
 //! the observability e2e test (Grafana, AGPL-licensed, is not used by this project).
 
 use std::fmt::Write as _;

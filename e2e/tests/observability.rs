@@ -11,7 +11,7 @@
 //! - an agent killed makes `GpupoolAgentDown` fire for its target;
 //! - every panel of the chart's Grafana dashboard has a query that returns data;
 //! - the key series are drawn as an SVG (`target/e2e-tests/observability.svg`; with
-//!   `GPUPOOL_WRITE_DOCS_PLOT=1` also `docs/observability.svg`, the README's picture).
+//!   `GPUPOOL_WRITE_DOCS_PLOT=1` also `docs/observability.svg`, the picture in docs/observability.md).
 //!
 //! Without `prometheus` it fails under CI (which installs it) and skips with a message elsewhere.
 

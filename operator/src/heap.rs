@@ -12,8 +12,7 @@
 //!   glibc starts at that size but raises the threshold to the largest mapped block freed so
 //!   far (up to 32 MiB), so after the first list page's body the pages of every later list
 //!   (hundreds of KiB to MiBs of JSON) are carved from the arenas and leave free, resident
-//!   holes there: at 1,000 nodes 11.8 MiB were free at the end with the dynamic threshold,
-//!   3.8 MiB with it fixed;
+//!   holes there (measured: docs/benchmarks.md, "Heap and allocator");
 //! - [`trim`] hands whole free pages back to the kernel, on an interval when `--heap-trim-secs`
 //!   is set (off by default);
 //! - [`HeapCollector`] exports what the allocator holds, in use and free, as
