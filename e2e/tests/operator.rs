@@ -883,14 +883,14 @@ async fn a_mig_layout_that_fails_on_its_first_node_goes_no_further() -> Result<(
             "mig": { "strategy": "mixed", "layout": { "preset": preset }, "maxUnavailable": 1 },
         })
     };
-    apply_pool(&client, &scope, &pool_name, spec("all-disabled")).await?;
+    apply_pool(&client, &scope, &pool_name, spec("all-balanced")).await?;
     for node in &nodes {
         wait_gpunode(&client, node, |_| true)
             .await
             .with_context(|| op.log_tail())?;
         report_status(&client, node, |_| {}).await?;
     }
-    wait_pool(&client, &pool_name, "Ready on all-disabled", |p| {
+    wait_pool(&client, &pool_name, "Ready on all-balanced", |p| {
         condition(p, "Ready").as_deref() == Some("True")
     })
     .await
@@ -901,7 +901,7 @@ async fn a_mig_layout_that_fails_on_its_first_node_goes_no_further() -> Result<(
             .mig
             .gpus
             .first()
-            .is_some_and(|g| g.profiles.contains_key("1g.10gb"))
+            .is_some_and(|g| g.profiles.get("1g.10gb") == Some(&7))
     };
     apply_pool(&client, &scope, &pool_name, spec("all-1g.10gb")).await?;
     let first = wait_gpunode(&client, &nodes[0], sliced)
