@@ -190,8 +190,9 @@ fn examples_named(text: &str) -> BTreeSet<String> {
             .chars()
             .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
             .collect();
-        if let Some(stem) = name.strip_suffix(".yaml") {
-            names.insert(format!("examples/{stem}.yaml"));
+        // A sentence's full stop may follow the name: cut at the extension.
+        if let Some(end) = name.find(".yaml") {
+            names.insert(format!("examples/{}.yaml", &name[..end]));
         }
     }
     names
@@ -203,6 +204,15 @@ fn examples_the_docs_name() -> BTreeSet<String> {
         .iter()
         .flat_map(|f| examples_named(&read(f)))
         .collect()
+}
+
+#[test]
+fn example_names_are_read_up_to_their_extension() {
+    let names = examples_named("see examples/a-pool.yaml. Or [b](examples/b_pool.yaml), examples/");
+    assert_eq!(
+        names.into_iter().collect::<Vec<_>>(),
+        ["examples/a-pool.yaml", "examples/b_pool.yaml"]
+    );
 }
 
 #[test]

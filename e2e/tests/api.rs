@@ -195,6 +195,39 @@ async fn create_scoped(
     Ok(api.create(&PostParams::default(), &object).await)
 }
 
+/// Every `examples/<name>.yaml` that `README.md` or a page under `docs/` names.
+fn examples_the_docs_name() -> Result<std::collections::BTreeSet<String>> {
+    let root = repo_root();
+    let mut pages = vec![root.join("README.md")];
+    let mut dirs = vec![root.join("docs")];
+    while let Some(dir) = dirs.pop() {
+        for entry in fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))? {
+            let path = entry?.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                pages.push(path);
+            }
+        }
+    }
+    let mut named = std::collections::BTreeSet::new();
+    for page in pages {
+        let text =
+            fs::read_to_string(&page).with_context(|| format!("reading {}", page.display()))?;
+        for (at, _) in text.match_indices("examples/") {
+            let stem: String = text[at + "examples/".len()..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+                .collect();
+            // A sentence's full stop may follow the name: cut at the extension.
+            if let Some(end) = stem.find(".yaml") {
+                named.insert(format!("examples/{}.yaml", &stem[..end]));
+            }
+        }
+    }
+    Ok(named)
+}
+
 #[tokio::test]
 async fn every_example_is_accepted() -> Result<()> {
     let cluster = Cluster::shared()?;
@@ -204,6 +237,16 @@ async fn every_example_is_accepted() -> Result<()> {
 
     let files = yaml_files(&repo_root().join("examples"))?;
     ensure!(!files.is_empty(), "examples/ holds no YAML files");
+    // Every example the README and docs/ name is among those applied here (crds/tests/docs.rs
+    // checks that each named file exists; this, that the apiserver takes it).
+    let named = examples_the_docs_name()?;
+    ensure!(!named.is_empty(), "the docs name no example");
+    for name in &named {
+        ensure!(
+            files.contains(&repo_root().join(name)),
+            "{name} is named in the docs but is not one of the examples applied here"
+        );
+    }
     let mut created = 0;
     for file in &files {
         let manifests = read_objects(file)?;
