@@ -211,6 +211,58 @@ impl Agent {
     fn log_text(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// Whether the process still runs.
+    fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The address its metrics and health server listens on, from its log.
+    fn metrics_addr(&self) -> Result<String> {
+        let text = self.log_text();
+        let line = text
+            .lines()
+            .map(strip_ansi)
+            .find(|l| l.contains("serving /metrics"))
+            .with_context(|| format!("the agent has not logged its address:\n{text}"))?;
+        Ok(line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("addr="))
+            .with_context(|| format!("no addr= in {line:?}"))?
+            .to_owned())
+    }
+}
+
+/// A log line without its terminal colour codes (`ESC [ … letter`).
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// `GET path` over a new connection; the whole answer.
+async fn http_get(addr: &str, path: &str) -> Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await?;
+    Ok(answer)
 }
 
 impl Drop for Agent {
@@ -292,7 +344,7 @@ async fn agent_validates_writes_cdi_tracks_idleness_and_stays_quiet() -> Result<
         "e2e.gpupool.io/other=keep",
     ])?;
     fresh_gpunode(&client, &scope, &node, base_spec(scope.prefix())).await?;
-    let agent = Agent::start(cluster, &host, Backend::Sim, &[])?;
+    let mut agent = Agent::start(cluster, &host, Backend::Sim, &[])?;
 
     // Validation passes, every check reported.
     let gn = wait_status(
@@ -637,6 +689,39 @@ async fn agent_validates_writes_cdi_tracks_idleness_and_stays_quiet() -> Result<
 
     // SIGTERM: clean exit, plugin sockets removed; a restart leaves the unchanged spec alone.
     let socket = host.socket("nvidia.com/gpu");
+    // Anyone who can reach the metrics port opens thousands of connections and sends nothing:
+    // the agent still answers /healthz within a kubelet probe's 1 s, so no probe fails and the
+    // kubelet never restarts it (and its MPS daemons with it).
+    let addr = agent.metrics_addr()?;
+    let mut flood = Vec::new();
+    for _ in 0..3000 {
+        flood.push(
+            tokio::net::TcpStream::connect(&addr)
+                .await
+                .with_context(|| format!("connecting to the agent's metrics port {addr}"))?,
+        );
+    }
+    let mut answered = 0;
+    for _ in 0..3 {
+        let probe = tokio::time::timeout(Duration::from_secs(1), http_get(&addr, "/healthz")).await;
+        if let Ok(Ok(answer)) = probe {
+            ensure!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+            answered += 1;
+        }
+    }
+    ensure!(
+        answered == 3,
+        "{} of 3 health probes went unanswered within 1 s behind 3,000 idle connections:\n{}",
+        3 - answered,
+        agent.log_text()
+    );
+    ensure!(
+        agent.is_running(),
+        "the agent exited:\n{}",
+        agent.log_text()
+    );
+    drop(flood);
+
     agent.terminate().await?;
     ensure!(!socket.exists(), "plugin socket left behind after SIGTERM");
     let spec_mtime = mtime(&host.spec_file())?;

@@ -9,11 +9,12 @@
 //! connection age. A failed `accept()` is retried after a short pause rather than ending the
 //! server, since a dead server fails `/healthz` and gets the binary restarted.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http_body_util::Full;
@@ -26,7 +27,6 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -178,9 +178,10 @@ const ACCEPT_BACKOFF_FIRST: Duration = Duration::from_millis(10);
 /// The longest pause between `accept()` attempts.
 const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
-/// How much of the process one client can take: the server accepts a connection only while
-/// fewer than `max_connections` are open, so a flood of idle connections waits in the
-/// kernel's accept queue and `/healthz` gets its turn as soon as the timeouts cut them.
+/// How much of the process one client can take. At most `max_connections` are open at once:
+/// a new connection past the cap closes the oldest open one, so a flood of idle connections
+/// cannot hold `/healthz` behind it (the kubelet's probe, a fresh connection that asks at once,
+/// is answered before a flood could push it out), and memory stays bounded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
     /// The most connections open at once (at least 1).
@@ -300,28 +301,50 @@ pub async fn serve_on_with_limits(
     Ok(())
 }
 
-/// The accept loop. It takes a connection slot before it accepts, and the connection holds
-/// the slot until it closes: past the cap, clients wait in the listen queue rather than being
-/// accepted and dropped, so a probe queued behind a flood is answered once the flood's
-/// connections time out. A failed accept is logged and retried after [`AcceptBackoff`]'s
-/// pause; only `shutdown` ends the loop.
+/// The open connections, oldest first, each with the token that closes it.
+#[derive(Debug, Default)]
+struct Open {
+    next_id: u64,
+    connections: VecDeque<(u64, CancellationToken)>,
+}
+
+impl Open {
+    /// Registers a new connection; past `cap`, closes the oldest ones to make room.
+    fn admit(&mut self, cap: usize) -> (u64, CancellationToken) {
+        while self.connections.len() >= cap.max(1) {
+            let Some((_, oldest)) = self.connections.pop_front() else {
+                break;
+            };
+            oldest.cancel();
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let token = CancellationToken::new();
+        self.connections.push_back((id, token.clone()));
+        (id, token)
+    }
+
+    /// Forgets a connection that ended.
+    fn forget(&mut self, id: u64) {
+        if let Some(at) = self.connections.iter().position(|(i, _)| *i == id) {
+            self.connections.remove(at);
+        }
+    }
+}
+
+/// The accept loop. Every connection is accepted at once; past the cap the oldest open one is
+/// closed to make room, so whoever floods the port only pushes out its own older connections,
+/// and the timeouts close the rest. A failed accept is logged and retried after
+/// [`AcceptBackoff`]'s pause; only `shutdown` ends the loop.
 async fn serve_accepted<A: Acceptor>(
     mut acceptor: A,
     state: Arc<HttpState>,
     shutdown: CancellationToken,
     limits: Limits,
 ) {
-    let slots = Arc::new(Semaphore::new(
-        limits.max_connections.clamp(1, Semaphore::MAX_PERMITS),
-    ));
+    let open = Arc::new(Mutex::new(Open::default()));
     let mut backoff = AcceptBackoff::default();
     loop {
-        let slot = tokio::select! {
-            () = shutdown.cancelled() => return,
-            slot = slots.clone().acquire_owned() => slot,
-        };
-        // `slots` is never closed (nothing calls `close` on it), so acquiring cannot fail.
-        let Ok(slot) = slot else { return };
         let accepted = tokio::select! {
             () = shutdown.cancelled() => return,
             accepted = acceptor.accept() => accepted,
@@ -344,23 +367,28 @@ async fn serve_accepted<A: Acceptor>(
                 }
             }
         };
-        if slots.available_permits() == 0 {
-            debug!(
-                max_connections = limits.max_connections,
-                "metrics and health endpoint at its connection cap; new clients wait"
-            );
-        }
-        tokio::spawn(serve_connection(stream, state.clone(), slot, limits));
+        let (id, closed) = open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .admit(limits.max_connections);
+        let open = open.clone();
+        let state = state.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = serve_connection(stream, state, limits) => {}
+                () = closed.cancelled() => debug!(
+                    max_connections = limits.max_connections,
+                    "closed the oldest connection to the metrics and health endpoint to make room"
+                ),
+            }
+            open.lock().unwrap_or_else(|e| e.into_inner()).forget(id);
+        });
     }
 }
 
-/// Serves one connection, holding `_slot` until it closes.
-async fn serve_connection<S>(
-    stream: S,
-    state: Arc<HttpState>,
-    _slot: OwnedSemaphorePermit,
-    limits: Limits,
-) where
+/// Serves one connection until it ends, times out or reaches its maximum age.
+async fn serve_connection<S>(stream: S, state: Arc<HttpState>, limits: Limits)
+where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let svc = service_fn(move |req: Request<Incoming>| {
@@ -662,26 +690,39 @@ mod tests {
         server.await.unwrap();
     }
 
-    /// A flood of connections that send nothing: the server holds at most `max_connections`
-    /// of them, the rest wait to be accepted, and the header read timeout cuts the held ones
-    /// a batch at a time until the probe queued behind them all is answered.
+    /// A flood of connections that send nothing: each is accepted, the oldest are closed to
+    /// stay within `max_connections`, and the probe that comes after them all is answered at
+    /// once, long before any timeout could have cut the flood.
     #[tokio::test(start_paused = true)]
-    async fn idle_connections_past_the_cap_wait_and_the_probe_behind_them_is_answered() {
+    async fn a_flood_past_the_cap_pushes_out_its_oldest_and_the_probe_is_answered_at_once() {
         let cap = 8;
         let (tx, taken, shutdown, server) = queue_server(test_limits(cap));
-        let idle: Vec<DuplexStream> = (0..200).map(|_| connect(&tx, 1024)).collect();
+        let mut idle: Vec<DuplexStream> = (0..200).map(|_| connect(&tx, 1024)).collect();
         let mut probe = connect(&tx, 4096);
 
-        // Well within the header read timeout: every task runs until it waits, and then only
-        // the first `cap` connections have been taken.
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        assert_eq!(taken.load(Ordering::SeqCst), cap);
-
-        let answer = tokio::time::timeout(VIRTUAL_DEADLINE, ask(&mut probe, "/healthz"))
-            .await
-            .expect("the probe behind the idle connections was never answered");
+        let limits = test_limits(cap);
+        let answer =
+            tokio::time::timeout(limits.header_read_timeout / 2, ask(&mut probe, "/healthz"))
+                .await
+                .expect("the probe waited behind the idle connections");
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         assert_eq!(taken.load(Ordering::SeqCst), idle.len() + 1);
+        // The oldest idle connections were closed to make room; the newest are still open.
+        let mut byte = [0u8; 1];
+        let pushed_out = idle.len() - cap;
+        for old in &mut idle[..pushed_out] {
+            let closed = tokio::time::timeout(limits.header_read_timeout / 2, old.read(&mut byte))
+                .await
+                .expect("an old connection is still open");
+            assert_eq!(closed.unwrap(), 0);
+        }
+        let newest = idle.last_mut().unwrap();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(1), newest.read(&mut byte))
+                .await
+                .is_err(),
+            "the newest idle connection was closed before its timeout"
+        );
 
         shutdown.cancel();
         server.await.unwrap();
@@ -721,39 +762,43 @@ mod tests {
     }
 
     /// A client that sends a request and never reads the answer stalls the server's write,
-    /// where no read timeout applies; the maximum connection age still frees its slot.
+    /// where no read timeout applies; the maximum connection age still closes it.
     #[tokio::test(start_paused = true)]
     async fn a_client_that_never_reads_is_cut_at_the_maximum_age() {
-        let (tx, taken, shutdown, server) = queue_server(test_limits(1));
+        let limits = test_limits(8);
+        let (tx, taken, shutdown, server) = queue_server(limits);
         // 16 bytes each way: the answer cannot fit, so the server's write waits on the client.
         let mut stalled = connect(&tx, 16);
         stalled
             .write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
             .await
             .unwrap();
-        let mut probe = connect(&tx, 4096);
-
-        let answer = tokio::time::timeout(VIRTUAL_DEADLINE, ask(&mut probe, "/healthz"))
+        // Past the maximum age, unread: the server gave up on the write and closed, so what
+        // is left to read is the part of the answer that fit, then the end.
+        tokio::time::sleep(limits.max_connection_age + Duration::from_secs(1)).await;
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(1), stalled.read_to_end(&mut got))
             .await
-            .expect("the client that never reads kept the only slot");
-        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-        assert_eq!(taken.load(Ordering::SeqCst), 2);
-        drop(stalled);
+            .expect("the stalled connection is still open past its maximum age")
+            .unwrap();
+        assert!(got.len() <= 16, "the whole answer was sent: {got:?}");
+        assert_eq!(taken.load(Ordering::SeqCst), 1);
 
         shutdown.cancel();
         server.await.unwrap();
     }
 
-    /// The same flood over real TCP: 200 connections that send nothing against a cap of 8,
-    /// and `/healthz` is still answered.
+    /// The same flood over real TCP: 2,000 connections that send nothing against a cap of 8,
+    /// with timeouts too long to help, and `/healthz` is still answered.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn idle_tcp_connections_do_not_starve_healthz() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let shutdown = CancellationToken::new();
+        // Timeouts far beyond the test: only closing the oldest makes room.
         let limits = Limits {
             max_connections: 8,
-            header_read_timeout: Duration::from_millis(50),
+            header_read_timeout: Duration::from_secs(3600),
             max_connection_age: Duration::from_secs(3600),
         };
         let server = tokio::spawn(serve_on_with_limits(
@@ -763,7 +808,7 @@ mod tests {
             limits,
         ));
         let mut idle = Vec::new();
-        for _ in 0..200 {
+        for _ in 0..2000 {
             idle.push(TcpStream::connect(addr).await.unwrap());
         }
 
@@ -772,7 +817,7 @@ mod tests {
             request(addr, "GET /healthz HTTP/1.1"),
         )
         .await
-        .expect("/healthz not answered behind 200 idle connections")
+        .expect("/healthz not answered behind 2,000 idle connections")
         .unwrap();
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         drop(idle);
