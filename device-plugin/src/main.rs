@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use clap::builder::{OsStringValueParser, TypedValueParser};
 use clap::{Parser, ValueEnum};
 use gpupool_device_plugin::agent::{Agent, AgentConfig};
 use gpupool_device_plugin::backend::{
@@ -32,8 +33,13 @@ enum BackendKind {
 #[command(version, about)]
 struct Cli {
     /// This node's name (the GpuNode and Node the agent works on).
-    #[arg(long, env = "NODE_NAME")]
-    node_name: String,
+    #[arg(long, env = "NODE_NAME", required_unless_present = "stop_mps_daemons")]
+    node_name: Option<String>,
+    /// Stop the MPS control daemons recorded under `--mps-root` (told `quit`, killed if they
+    /// linger) and exit: for uninstall, since the agent's shutdown leaves them running for the
+    /// next agent to take over. Their clients lose their server.
+    #[arg(long)]
+    stop_mps_daemons: bool,
     /// GPU backend.
     #[arg(long, env = "GPUPOOL_BACKEND", value_enum, default_value = "nvml")]
     backend: BackendKind,
@@ -119,6 +125,14 @@ struct Cli {
     /// directory per GPU, in the host's terms (mounted writable under the host root).
     #[arg(long, env = "GPUPOOL_MPS_ROOT", default_value = gpupool_device_plugin::agent::mps::DEFAULT_MPS_ROOT)]
     mps_root: PathBuf,
+    /// The cgroup (v2), in the host's terms, that each MPS control daemon is moved into, so
+    /// that stopping the agent's container (whose whole cgroup is killed) leaves the daemons
+    /// and their clients running for the next agent to take over. Created beneath an existing
+    /// cgroup. Default: `/sys/fs/cgroup/gpupool-mps` with `--host-root` (read under it), else
+    /// none; an empty value turns it off. A daemon that cannot be moved still runs (logged).
+    #[arg(long, env = "GPUPOOL_MPS_CGROUP",
+        value_parser = OsStringValueParser::new().map(PathBuf::from))]
+    mps_cgroup: Option<PathBuf>,
     /// Log as JSON lines.
     #[arg(long, env = "GPUPOOL_LOG_JSON")]
     log_json: bool,
@@ -196,7 +210,8 @@ fn nvml_library(cli: &Cli) -> Result<Option<PathBuf>, String> {
 /// The agent's settings from the command line.
 fn agent_config(cli: &Cli) -> AgentConfig {
     AgentConfig {
-        node_name: cli.node_name.clone(),
+        // Required by the parser unless --stop-mps-daemons, which builds no AgentConfig.
+        node_name: cli.node_name.clone().unwrap_or_default(),
         pod_resources_socket: cli
             .pod_resources_socket
             .clone()
@@ -217,6 +232,43 @@ fn agent_config(cli: &Cli) -> AgentConfig {
         health_hold_down: Duration::from_secs(cli.health_recovery_hold_down_secs),
         heartbeat: Duration::from_secs(cli.heartbeat_secs),
         mps_root: cli.mps_root.clone(),
+        mps_cgroup: mps_cgroup(cli),
+    }
+}
+
+/// `--stop-mps-daemons`: stops the daemons recorded under the MPS root.
+async fn stop_mps_daemons(cli: &Cli) -> Result<()> {
+    use gpupool_device_plugin::agent::mps::{MpsJob, MpsPaths, Takeover};
+    let mut job = MpsJob::new(MpsPaths {
+        root: cli.mps_root.clone(),
+        host_root: cli.host_root.clone(),
+        driver_root: cli
+            .driver_root
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("/")),
+        private_shm: true,
+    });
+    job.set_takeover(Takeover {
+        proc_root: cli.proc_root.clone(),
+        cgroup: None,
+    });
+    let (stopped, not) = job.stop_recorded().await;
+    tracing::info!(?stopped, ?not, "MPS control daemons stopped");
+    Ok(())
+}
+
+/// The default MPS daemons' cgroup: a container's (`--host-root`) must leave its own.
+const DEFAULT_MPS_CGROUP: &str = "/sys/fs/cgroup/gpupool-mps";
+
+/// `--mps-cgroup`, defaulted (see its help).
+fn mps_cgroup(cli: &Cli) -> Option<PathBuf> {
+    match &cli.mps_cgroup {
+        Some(p) if p.as_os_str().is_empty() => None,
+        Some(p) => Some(p.clone()),
+        None => cli
+            .host_root
+            .as_ref()
+            .map(|_| PathBuf::from(DEFAULT_MPS_CGROUP)),
     }
 }
 
@@ -245,6 +297,9 @@ async fn main() -> Result<()> {
     // two providers compiled in, rustls needs the process default chosen explicitly.
     let _ = rustls::crypto::ring::default_provider().install_default();
 
+    if cli.stop_mps_daemons {
+        return stop_mps_daemons(&cli).await;
+    }
     let backend = open_backend(&cli);
     if let Err(e) = &backend {
         tracing::error!(error = %e, "GPU backend unavailable; reporting it as a failed NVMLInit check");
@@ -316,6 +371,23 @@ mod tests {
             "5m",
         ]);
         assert!(bad.is_err());
+    }
+
+    #[test]
+    fn mps_daemons_leave_a_containers_cgroup_unless_told_otherwise() {
+        assert_eq!(agent_config(&parse(&[])).mps_cgroup, None);
+        assert_eq!(
+            agent_config(&parse(&["--host-root", "/host"])).mps_cgroup,
+            Some(PathBuf::from("/sys/fs/cgroup/gpupool-mps"))
+        );
+        assert_eq!(
+            agent_config(&parse(&["--host-root", "/host", "--mps-cgroup", ""])).mps_cgroup,
+            None
+        );
+        assert_eq!(
+            agent_config(&parse(&["--mps-cgroup", "/sys/fs/cgroup/mps"])).mps_cgroup,
+            Some(PathBuf::from("/sys/fs/cgroup/mps"))
+        );
     }
 
     #[test]

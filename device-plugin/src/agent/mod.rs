@@ -95,6 +95,9 @@ pub struct AgentConfig {
     pub heartbeat: Duration,
     /// The MPS daemons' directories, host terms (`/run/gpupool/mps`).
     pub mps_root: PathBuf,
+    /// The cgroup (v2, host terms) the MPS daemons are moved into, out of the agent's
+    /// container's, so that they outlive it (`None`: they stay in the agent's).
+    pub mps_cgroup: Option<PathBuf>,
 }
 
 impl AgentConfig {
@@ -201,6 +204,10 @@ impl Agent {
         let mut state = NodeState::new(&self);
         let (mps_tx, mut mps_exits) = mpsc::channel::<()>(8);
         state.mps.set_waker(mps_tx);
+        state.mps.set_takeover(mps::Takeover {
+            proc_root: self.config.proc_root.clone(),
+            cgroup: self.config.mps_cgroup.clone(),
+        });
         let (notice_tx, mut notices) = mpsc::channel::<Notice>(64);
         let (layout_tx, layout_rx) = watch::channel(Advertisement::default());
         let (health_tx, mut health_rx) = watch::channel(Advertisement::default());
@@ -311,7 +318,8 @@ impl Agent {
             wake = state.reconcile(&self, &gpunode, &health, &layout_tx).await;
         }
 
-        state.mps.stop_all().await;
+        // The MPS daemons stay, and their clients with them: the next agent takes them over.
+        state.mps.hand_over();
         stop_health.store(true, Ordering::Relaxed);
         cancel.cancel();
         watch_task.abort();
