@@ -21,7 +21,9 @@
 # ServiceAccount, and each agent with a token of the agent ServiceAccount bound to the
 # DaemonSet's pod on its node — so the chart's RBAC and its own-node admission policy apply
 # exactly as in a cluster. The agents use simulated GPUs (device-plugin/fixtures format) and a
-# fake driver root per node under target/demo/.
+# fake driver root per node under target/demo/. No kubelet runs on these nodes, and the agents
+# are told so (`--no-kubelet`): no pod can hold a device, so MIG changes need not wait for the
+# kubelet's PodResources answer, which a real node always gives.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 REPO=$PWD
@@ -213,7 +215,7 @@ EOF
         --node-name "$node" --backend sim --fixture "$host/fixture.yaml" \
         --kubelet-dir "$host/kubelet" --cdi-dir "$host/cdi" \
         --driver-root "$host/driver" --proc-root "$host/driver/proc" \
-        --kmsg-path "$host/kmsg" \
+        --kmsg-path "$host/kmsg" --no-kubelet \
         --metrics-addr "127.0.0.1:$port" --validate-interval-secs 10
     echo "agent on $node: $gpus x $model, driver $ver; log $DEMO/logs/agent-$node.log, metrics http://127.0.0.1:$port/metrics"
     AGENT_TARGETS+=("'127.0.0.1:$port'")

@@ -57,6 +57,15 @@ struct Cli {
     /// Kubelet PodResources socket; `<kubelet-dir>/pod-resources/kubelet.sock` by default.
     #[arg(long, env = "GPUPOOL_POD_RESOURCES_SOCKET")]
     pod_resources_socket: Option<PathBuf>,
+    /// Declares that this host runs no kubelet (the demo's simulated nodes): no pod can hold a
+    /// device, so MIG and sharing changes need not wait for PodResources. Never on a real
+    /// node, where a missing socket is a fault that holds every such change.
+    #[arg(
+        long,
+        env = "GPUPOOL_NO_KUBELET",
+        conflicts_with = "pod_resources_socket"
+    )]
+    no_kubelet: bool,
     /// Overrides the GpuNode's `cdi.specDir`.
     #[arg(long, env = "GPUPOOL_CDI_DIR")]
     cdi_dir: Option<PathBuf>,
@@ -212,10 +221,15 @@ fn agent_config(cli: &Cli) -> AgentConfig {
     AgentConfig {
         // Required by the parser unless --stop-mps-daemons, which builds no AgentConfig.
         node_name: cli.node_name.clone().unwrap_or_default(),
-        pod_resources_socket: cli
-            .pod_resources_socket
-            .clone()
-            .unwrap_or_else(|| cli.kubelet_dir.join("pod-resources/kubelet.sock")),
+        pod_source: if cli.no_kubelet {
+            gpupool_device_plugin::podresources::PodSource::NoKubelet
+        } else {
+            gpupool_device_plugin::podresources::PodSource::Kubelet(
+                cli.pod_resources_socket
+                    .clone()
+                    .unwrap_or_else(|| cli.kubelet_dir.join("pod-resources/kubelet.sock")),
+            )
+        },
         kubelet_dir: cli.kubelet_dir.clone(),
         cdi_dir: cli.cdi_dir.clone(),
         driver_root: cli.driver_root.clone(),

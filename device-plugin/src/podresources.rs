@@ -1,7 +1,7 @@
 //! The kubelet's PodResources API: which pods hold which GPU and MIG devices.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use gpupool_crds::node::PodRef;
@@ -23,6 +23,30 @@ pub enum PodResourcesError {
         /// What went wrong.
         detail: String,
     },
+}
+
+/// Where the agent learns which pods hold the node's devices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodSource {
+    /// The kubelet's PodResources socket: every real node. A missing or failing socket is
+    /// reported and counts as "pods unknown", which holds every MIG and sharing change.
+    Kubelet(PathBuf),
+    /// The host runs no kubelet (the demo's and the tests' simulated nodes, `--no-kubelet`):
+    /// no pod can hold a device there, so the answer is "none". Never right on a real node.
+    NoKubelet,
+}
+
+impl PodSource {
+    /// Device ID → pods holding it ([`list_pod_devices`] on the kubelet's socket).
+    pub async fn list(
+        &self,
+        timeout: Duration,
+    ) -> Result<BTreeMap<String, Vec<PodRef>>, PodResourcesError> {
+        match self {
+            PodSource::Kubelet(socket) => list_pod_devices(socket, timeout).await,
+            PodSource::NoKubelet => Ok(BTreeMap::new()),
+        }
+    }
 }
 
 /// Device ID (UUID) → pods holding it, for `nvidia.com/*` resources, from the kubelet's

@@ -23,6 +23,7 @@ use gpupool_device_plugin::plugin::api::podresources_v1::{
     ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
     ListPodResourcesResponse, PodResources,
 };
+use gpupool_device_plugin::podresources::PodSource;
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -119,7 +120,7 @@ impl Node {
         MigJob::new(
             drain_timeout,
             Duration::ZERO,
-            self.socket.clone(),
+            PodSource::Kubelet(self.socket.clone()),
             Instant::now(),
         )
     }
@@ -310,7 +311,7 @@ async fn a_foreign_pid_namespace_fails_its_check_reports_unknown_and_holds_mig()
     let inv = node.inventory();
     let sample = |seen: bool| {
         let mut sampling = SamplingJob::new(
-            node.socket.clone(),
+            PodSource::Kubelet(node.socket.clone()),
             PathBuf::from("/proc"),
             1,
             Instant::now(),

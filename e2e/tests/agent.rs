@@ -971,11 +971,13 @@ async fn agent_applies_mig_layout_and_completes_it_after_kill_9() -> Result<()> 
         })
     };
 
+    // No kubelet runs here, so no pod can hold a device: said so, the drain need not wait for
+    // a PodResources answer that will never come (a real node always has one).
     let agent = Agent::start(
         cluster,
         &host,
         Backend::Nvml,
-        &["--mig-step-delay-ms", "700"],
+        &["--mig-step-delay-ms", "700", "--no-kubelet"],
     )?;
     wait_status(
         &client,
@@ -1029,7 +1031,7 @@ async fn agent_applies_mig_layout_and_completes_it_after_kill_9() -> Result<()> 
     let created = fs::read_to_string(host.dir.join("nvml-state.json")).unwrap_or_default();
     ensure!(!created.is_empty(), "the fake NVML kept no state");
 
-    let agent = Agent::start(cluster, &host, Backend::Nvml, &[])?;
+    let agent = Agent::start(cluster, &host, Backend::Nvml, &["--no-kubelet"])?;
     let gn = wait_status(
         &client,
         &node,

@@ -65,7 +65,7 @@ pub struct AgentConfig {
     /// Kubelet root (device plugins in `<dir>/device-plugins`).
     pub kubelet_dir: PathBuf,
     /// Kubelet PodResources socket.
-    pub pod_resources_socket: PathBuf,
+    pub pod_source: crate::podresources::PodSource,
     /// Overrides the GpuNode's `cdi.specDir`.
     pub cdi_dir: Option<PathBuf>,
     /// Overrides the GpuNode's `cdi.driverRoot`.

@@ -33,7 +33,6 @@ use crate::cdi::DriverRoot;
 use crate::inventory::Inventory;
 use crate::pidns::HostPidNamespace;
 use crate::plugin::{self, Advertisement, Topology};
-use crate::podresources;
 
 /// How long one PodResources read for the sharing gate may take.
 const POD_RESOURCES_TIMEOUT: Duration = Duration::from_secs(5);
@@ -84,7 +83,7 @@ impl NodeState {
             mig: MigJob::new(
                 config.drain_timeout,
                 config.mig_step_delay,
-                config.pod_resources_socket.clone(),
+                config.pod_source.clone(),
                 now,
             ),
             host_pid: host_pid_namespace(&config.host_proc_root),
@@ -92,7 +91,7 @@ impl NodeState {
             cdi: CdiJob::default(),
             validation: ValidationJob::new(config.kmsg_path.clone(), config.validate_interval, now),
             sampling: SamplingJob::new(
-                config.pod_resources_socket.clone(),
+                config.pod_source.clone(),
                 config.proc_root.clone(),
                 config.idle_samples,
                 now,
@@ -226,12 +225,12 @@ impl NodeState {
             let fresh = if self.sharing_gate.settled(&spec.sharing) {
                 Ok(BTreeMap::new())
             } else {
-                podresources::list_pod_devices(
-                    &agent.config.pod_resources_socket,
-                    POD_RESOURCES_TIMEOUT,
-                )
-                .await
-                .map_err(|e| e.to_string())
+                agent
+                    .config
+                    .pod_source
+                    .list(POD_RESOURCES_TIMEOUT)
+                    .await
+                    .map_err(|e| e.to_string())
             };
             self.sharing = self.sharing_gate.step(
                 inv,

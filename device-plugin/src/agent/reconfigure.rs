@@ -7,7 +7,6 @@
 //! process) and NVML's process lists, and whether those lists are the host's at all.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,7 +18,7 @@ use crate::backend::GpuBackend;
 use crate::inventory::Inventory;
 use crate::mig::{self, MigController, Phase, Step};
 use crate::occupancy::{self, Evidence, Occupancy};
-use crate::podresources;
+use crate::podresources::PodSource;
 
 /// How long one PodResources read may take.
 const POD_RESOURCES_TIMEOUT: Duration = Duration::from_secs(5);
@@ -43,8 +42,8 @@ pub struct MigJob {
     /// Earliest time for the next operation.
     next_op: Instant,
     step_delay: Duration,
-    /// The kubelet's PodResources socket.
-    pod_resources: PathBuf,
+    /// Where the pods holding devices are learnt.
+    pod_resources: PodSource,
 }
 
 impl MigJob {
@@ -53,7 +52,7 @@ impl MigJob {
     pub fn new(
         drain_timeout: Duration,
         step_delay: Duration,
-        pod_resources: PathBuf,
+        pod_resources: PodSource,
         now: Instant,
     ) -> MigJob {
         MigJob {
@@ -134,7 +133,9 @@ impl MigJob {
         inv: &Inventory,
         host_processes: Result<(), &str>,
     ) -> Occupancy {
-        let pods = podresources::list_pod_devices(&self.pod_resources, POD_RESOURCES_TIMEOUT)
+        let pods = self
+            .pod_resources
+            .list(POD_RESOURCES_TIMEOUT)
             .await
             .map_err(|e| e.to_string());
         if let Err(e) = &pods {

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::blocking;
 use crate::backend::GpuBackend;
 use crate::inventory::Inventory;
-use crate::podresources;
+use crate::podresources::PodSource;
 use crate::utilization::{self, DeviceSample, IdleTracker};
 use gpupool_crds::node::Activity;
 
@@ -22,7 +22,7 @@ const MIN_INTERVAL: Duration = Duration::from_millis(200);
 
 /// Samples, idleness and the pods holding each device.
 pub struct SamplingJob {
-    socket: PathBuf,
+    pods_from: PodSource,
     /// Where the host's `/proc` is (the environment of the processes on shared GPUs).
     proc_root: PathBuf,
     next: Instant,
@@ -41,13 +41,13 @@ pub struct SamplingJob {
 impl SamplingJob {
     /// A job reading PodResources at `socket`, a device idle after `idle_samples` idle samples.
     pub fn new(
-        socket: PathBuf,
+        pods_from: PodSource,
         proc_root: PathBuf,
         idle_samples: u32,
         now: Instant,
     ) -> SamplingJob {
         SamplingJob {
-            socket,
+            pods_from,
             proc_root,
             next: now,
             idle: IdleTracker::new(idle_samples),
@@ -99,7 +99,7 @@ impl SamplingJob {
         interval: Duration,
         host_processes: bool,
     ) {
-        match podresources::list_pod_devices(&self.socket, Duration::from_secs(5)).await {
+        match self.pods_from.list(Duration::from_secs(5)).await {
             Ok(map) => {
                 self.pods = map;
                 self.pod_resources = Some(Ok(()));

@@ -144,10 +144,18 @@ impl SharingGate {
         self.unknown_pods = pods.err().map(str::to_owned);
         let Some(applied) = &self.applied else {
             let recovered = recover(inventory, pods.ok(), &self.published);
+            // A GPU nothing is known of (pods unreadable, no published status: a new GpuNode)
+            // is served exclusive, the mode every device plugin starts from, so an agent that
+            // cannot read PodResources still serves its whole GPUs; a shared mode waits for
+            // evidence.
             self.draining = after
                 .iter()
                 .filter(|(i, mode)| {
-                    held.contains(i) && !recovered.get(i).is_some_and(|r| r.admits(**mode))
+                    held.contains(i)
+                        && match recovered.get(i) {
+                            Some(r) => !r.admits(**mode),
+                            None => **mode != Mode::Exclusive,
+                        }
                 })
                 .map(|(i, _)| *i)
                 .collect();
@@ -492,6 +500,30 @@ mod tests {
             gate.step(&inv, &mps(vec![1]), MigStrategy::None, Ok(&nobody)),
             mps(vec![1])
         );
+    }
+
+    /// A new agent on a new GpuNode that cannot read PodResources (the kubelet restarting, or
+    /// no kubelet): its whole GPUs are served exclusive, as any device plugin serves them, and
+    /// only a shared mode waits for evidence of the pods.
+    #[test]
+    fn without_any_evidence_whole_gpus_are_served_exclusive_and_sharing_waits() {
+        let inv = inventory();
+        let mut gate = SharingGate::default();
+        let none = SharingPolicy::default();
+        assert_eq!(
+            gate.step(&inv, &none, MigStrategy::None, Err("socket not found")),
+            none
+        );
+        assert!(gate.draining().is_empty() && gate.withheld().is_empty());
+        let mut gate = SharingGate::default();
+        let shared = gate.step(
+            &inv,
+            &ts(vec![1], 2),
+            MigStrategy::None,
+            Err("socket not found"),
+        );
+        assert_eq!(gate.draining(), [1], "{shared:?}");
+        assert_eq!(gate.withheld(), [1]);
     }
 
     #[test]
