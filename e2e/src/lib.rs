@@ -42,3 +42,23 @@ pub use tools::{Tools, repo_root};
 pub fn strict() -> bool {
     std::env::var("GPUPOOL_E2E_STRICT").as_deref() == Ok("1")
 }
+
+/// A log line without its terminal colour codes: the binaries colour their logs, and tests
+/// read fields such as `addr=` from them.
+pub fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI: ESC [ parameters, ended by a letter.
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}

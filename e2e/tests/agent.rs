@@ -35,7 +35,7 @@ use gpupool_crds::policy::{CdiDeviceNameStrategy, DriverPolicy, MigStrategy};
 use gpupool_crds::{GpuNode, GpuNodeSpec};
 use gpupool_e2e::agent::{agent_binaries, events_for, fake_driver_root, wait_event, wait_status};
 use gpupool_e2e::wait::poll;
-use gpupool_e2e::{Cluster, FAKE_NODE_LABEL, TestScope, crds, repo_root};
+use gpupool_e2e::{Cluster, FAKE_NODE_LABEL, TestScope, crds, repo_root, strip_ansi};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -231,24 +231,6 @@ impl Agent {
             .with_context(|| format!("no addr= in {line:?}"))?
             .to_owned())
     }
-}
-
-/// A log line without its terminal colour codes (`ESC [ … letter`).
-fn strip_ansi(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// `GET path` over a new connection; the whole answer.

@@ -175,24 +175,7 @@ impl Drop for Operator {
     }
 }
 
-/// A log line without its terminal colour codes.
-pub fn strip_ansi(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // CSI: ESC [ parameters, ended by a letter.
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
+pub use gpupool_e2e::strip_ansi;
 
 /// Creates the scope's own kwok GPU node, labelled with the scope label (so the scope deletes
 /// it) plus `extra` labels. H100 × 8 unless `product` says otherwise.

@@ -907,6 +907,26 @@ async fn a_refused_gpunode_write_does_not_stop_the_rest_of_the_reconcile() {
     assert!(error.to_string().contains("applying GpuNode n1"), "{error}");
 }
 
+/// The requests of a reconcile that ends well with a status write: the write (checked by
+/// `check`, answered with `pool`), then the Ready and Conflict condition Events.
+fn status_write_then_conditions(
+    pool: &GpuPool,
+    check: impl Fn(&Value) + Send + 'static,
+) -> Vec<Expect> {
+    vec![
+        Expect {
+            answer: Some(serde_json::to_value(pool).unwrap()),
+            ..expect(Method::PATCH, "/gpupools/p/status", check)
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReadyTrue")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ConflictFalse")
+        }),
+    ]
+}
+
 /// An eviction whose status write the API server then refuses: the history that carries it is
 /// lost with the write, but the next pass does not spend the rate limit again. It finds the
 /// action in the ledger, leaves the still-listed pod alone (one action allowed per window) and
@@ -948,7 +968,6 @@ async fn a_refused_status_write_after_an_eviction_does_not_spend_the_rate_limit_
     // The pod is still listed (its eviction has not reached the cache) and its warning is
     // long past: only the ledger knows it was already acted on.
     let (service, handle2) = mock::pair::<Request<Body>, Response<Body>>();
-    let answer = serde_json::to_value(&p).unwrap();
     if let Some(ctx) = Arc::get_mut(&mut f.ctx) {
         ctx.client = Client::new(service.clone(), "default");
         ctx.evict_client = Client::new(service.clone(), "default");
@@ -963,24 +982,13 @@ async fn a_refused_status_write_after_an_eviction_does_not_spend_the_rate_limit_
         panic!("the context is shared");
     }
     verifier.await.unwrap();
-    let second = vec![
-        Expect {
-            answer: Some(answer),
-            ..expect(Method::PATCH, "/gpupools/p/status", |body| {
-                let h = body["status"]["reclaim"]["history"].as_array().unwrap();
-                assert_eq!(h.len(), 1, "{h:?}");
-                assert_eq!(h[0]["pod"], "ml/w");
-                assert_eq!(h[0]["result"], "Succeeded");
-                assert_eq!(body["status"]["reclaim"]["reclaimed"], 1);
-            })
-        },
-        expect(Method::POST, "/events", |body| {
-            assert_eq!(body["reason"], "ReadyTrue")
-        }),
-        expect(Method::POST, "/events", |body| {
-            assert_eq!(body["reason"], "ConflictFalse")
-        }),
-    ];
+    let second = status_write_then_conditions(&p, |body| {
+        let h = body["status"]["reclaim"]["history"].as_array().unwrap();
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert_eq!(h[0]["pod"], "ml/w");
+        assert_eq!(h[0]["result"], "Succeeded");
+        assert_eq!(body["status"]["reclaim"]["reclaimed"], 1);
+    });
     run(f, &p, second, handle2).await;
 }
 
@@ -995,21 +1003,9 @@ async fn a_lost_lease_stops_disruptive_writes_at_once() {
         p.spec.reclaim.action = action;
         f.pool(&p);
         f.ctx.acting.cancel();
-        let answer = serde_json::to_value(&p).unwrap();
-        let expected = vec![
-            Expect {
-                answer: Some(answer),
-                ..expect(Method::PATCH, "/gpupools/p/status", |body| {
-                    assert_eq!(body["status"]["reclaim"]["history"], Value::Null, "{body}");
-                })
-            },
-            expect(Method::POST, "/events", |body| {
-                assert_eq!(body["reason"], "ReadyTrue")
-            }),
-            expect(Method::POST, "/events", |body| {
-                assert_eq!(body["reason"], "ConflictFalse")
-            }),
-        ];
+        let expected = status_write_then_conditions(&p, |body| {
+            assert_eq!(body["status"]["reclaim"]["history"], Value::Null, "{body}");
+        });
         run(f, &p, expected, handle).await;
     }
 }
@@ -1030,28 +1026,16 @@ async fn a_report_first_seen_after_a_restart_is_not_acted_on() {
         let two_hours_ago = now.checked_sub(SignedDuration::from_hours(2)).unwrap();
         f.ctx.liveness.forget("n1");
         f.ctx.liveness.observe("n1", Some(two_hours_ago), now);
-        let answer = serde_json::to_value(&p).unwrap();
-        let expected = vec![
-            Expect {
-                answer: Some(answer),
-                ..expect(Method::PATCH, "/gpupools/p/status", |body| {
-                    assert_eq!(body["status"]["reclaim"]["history"], Value::Null, "{body}");
-                    let problems = body["status"]["problems"].as_array().unwrap();
-                    assert!(
-                        problems
-                            .iter()
-                            .any(|pr| pr["node"] == "n1" && pr["reason"] == "AgentUnconfirmed"),
-                        "{problems:?}"
-                    );
-                })
-            },
-            expect(Method::POST, "/events", |body| {
-                assert_eq!(body["reason"], "ReadyTrue")
-            }),
-            expect(Method::POST, "/events", |body| {
-                assert_eq!(body["reason"], "ConflictFalse")
-            }),
-        ];
+        let expected = status_write_then_conditions(&p, |body| {
+            assert_eq!(body["status"]["reclaim"]["history"], Value::Null, "{body}");
+            let problems = body["status"]["problems"].as_array().unwrap();
+            assert!(
+                problems
+                    .iter()
+                    .any(|pr| pr["node"] == "n1" && pr["reason"] == "AgentUnconfirmed"),
+                "{problems:?}"
+            );
+        });
         run(f, &p, expected, handle).await;
     }
 }
