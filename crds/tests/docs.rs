@@ -1,8 +1,9 @@
 //! The docs are tested like the code (issue #40): every relative link and `#anchor` in the
 //! README, `docs/` and the chart's README resolves; every `examples/*.yaml` they name exists
 //! (`e2e/tests/api.rs` applies each of those to the real apiserver); the Quickstart's commands
-//! exist; and every figure the README and the chart's `values.yaml` comments state is on the
-//! benchmarks page, so each figure has one source.
+//! exist; every figure the README and the chart's `values.yaml` comments state is on the
+//! benchmarks page, and each row of the README's goal table quotes that goal's row there
+//! (target, figures, verdict, command), so each figure has one source.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -343,4 +344,110 @@ fn figures_are_read_with_their_units() {
         .map(String::from)
         .collect();
     assert_eq!(found, expected);
+}
+
+/// The rows of the first Markdown table after the heading `heading` (its header and separator
+/// left out), each as its trimmed cells.
+fn table_after(text: &str, heading: &str) -> Vec<Vec<String>> {
+    let mut lines = text.lines().skip_while(|l| l.trim() != heading).skip(1);
+    let rows: Vec<&str> = lines
+        .by_ref()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| l.starts_with('|'))
+        .collect();
+    rows.iter()
+        .skip(2)
+        .map(|row| {
+            row.trim()
+                .trim_matches('|')
+                .split(" | ")
+                .map(|c| c.trim().to_owned())
+                .collect()
+        })
+        .collect()
+}
+
+/// Every number in `text` (digits with `.`, `,` and `–` ranges), unit or none.
+fn numbers(text: &str) -> BTreeSet<String> {
+    let mut found = BTreeSet::new();
+    let mut current = String::new();
+    for c in text.chars().chain(std::iter::once(' ')) {
+        if c.is_ascii_digit() || (!current.is_empty() && matches!(c, '.' | ',' | '–')) {
+            current.push(c);
+        } else if !current.is_empty() {
+            found.insert(current.trim_end_matches(['.', ',', '–']).to_owned());
+            current.clear();
+        }
+    }
+    found
+}
+
+/// Whether a "met?" cell says met, not met, or neither (reported, —).
+fn verdict(cell: &str) -> &'static str {
+    let cell = cell.replace('*', "").to_lowercase();
+    if cell.starts_with("not met") {
+        "not met"
+    } else if cell.starts_with("met") {
+        "met"
+    } else {
+        "reported"
+    }
+}
+
+#[test]
+fn each_readme_goal_row_quotes_its_benchmarks_row() {
+    let root = repo_root();
+    let readme = table_after(&read(&root.join("README.md")), "## Figures");
+    let page = table_after(&read(&root.join("docs/benchmarks.md")), "## The goals");
+    assert!(readme.len() >= 8, "the README's goal table: {readme:?}");
+    assert_eq!(
+        readme.len(),
+        page.len(),
+        "the README and docs/benchmarks.md list different goals"
+    );
+    // README: goal | target | current | met? | command;
+    // benchmarks: goal | target | current figure | runs | met? | command.
+    for (ours, theirs) in readme.iter().zip(&page) {
+        let goal = &ours[0];
+        assert_eq!(ours.len(), 5, "README row {goal}");
+        assert_eq!(theirs.len(), 6, "benchmarks row {}", theirs[0]);
+        assert!(
+            theirs[1].starts_with(&ours[1]),
+            "{goal}: target {:?}, on the benchmarks page {:?}",
+            ours[1],
+            theirs[1]
+        );
+        let quoted: Vec<_> = numbers(&ours[2])
+            .difference(&numbers(&theirs[2]))
+            .cloned()
+            .collect();
+        assert!(
+            quoted.is_empty(),
+            "{goal}: the README's current figure {:?} states {quoted:?}, which its row on the \
+             benchmarks page ({:?}) does not",
+            ours[2],
+            theirs[2]
+        );
+        assert!(!numbers(&ours[2]).is_empty(), "{goal}: no figure quoted");
+        assert_eq!(verdict(&ours[3]), verdict(&theirs[4]), "{goal}: met?");
+        assert!(
+            theirs[5].starts_with(&ours[4]),
+            "{goal}: the README's command {:?} is not the benchmarks page's {:?}",
+            ours[4],
+            theirs[5]
+        );
+    }
+}
+
+#[test]
+fn numbers_and_tables_are_read_as_written() {
+    let found: Vec<String> = numbers("61.0 and 62.0 MiB, 1.31× (0.14–2.10); 10,000 calls.")
+        .into_iter()
+        .collect();
+    assert_eq!(found, ["0.14–2.10", "1.31", "10,000", "61.0", "62.0"]);
+    let rows = table_after(
+        "# x\n## T\n\ntext\n| a | b |\n|---|---|\n| 1 | two |\n| 3 | 4 |\n\n| c |\n",
+        "## T",
+    );
+    assert_eq!(rows, [vec!["1", "two"], vec!["3", "4"]]);
 }

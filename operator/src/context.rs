@@ -68,19 +68,17 @@ pub enum InitialList {
 /// Objects per page of a [`InitialList::Paged`] list.
 pub const LIST_PAGE: u32 = 500;
 
-/// Objects per page of a paged GpuNode list. An agent's report of 8 GPUs split into 56 MIG
-/// devices is about 14 KiB of JSON and 21 KiB decoded (the `cache_bytes` bench), and a page
-/// is held whole, body and decoded objects, until every object in it is cut: 17 MiB at once
-/// at 500 a page, under 2 MiB at 50.
+/// Objects per page of a paged GpuNode list. A page is held whole, body and decoded objects,
+/// until every object in it is cut, and a GpuNode reporting many MIG devices is large, so
+/// this page is ten times smaller than [`LIST_PAGE`] (sizes measured by the `cache_bytes`
+/// bench: docs/benchmarks.md, "Operator at scale").
 pub const GPUNODE_LIST_PAGE: u32 = 50;
 
-/// Objects per page of a paged pod list. A pod as the API server sends it, managed fields and
-/// all, is about 5 KiB of JSON, and a page's body is in memory three or four times over while it
-/// is read (the HTTP client's read buffers, the collected body, the client library's copy of
-/// it as text): a page of 500 pods (2.7 MB) put about 11 MiB at once on the operator's heap,
-/// its highest point at 1,000 nodes. At 100 a page the peak after the initial lists at 1,000
-/// nodes and 8,000 pods fell from 24.0 to 20.1 MiB (scale bench, one run each), for 80 list
-/// requests instead of 16.
+/// Objects per page of a paged pod list. A page's body is in memory three or four times over
+/// while it is read (the HTTP client's read buffers, the collected body, the client library's
+/// copy of it as text), and at 500 a page that was the operator's highest point; smaller pages
+/// cost more list requests and lower the peak (docs/benchmarks.md, "Operator at scale", and
+/// the dated log).
 pub const POD_LIST_PAGE: u32 = 100;
 
 impl Default for Settings {

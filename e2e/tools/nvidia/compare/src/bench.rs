@@ -15,7 +15,7 @@
 //!   measure the plugins and the library's delivery, not a poll interval.
 //!   NVIDIA's plugin never marks a device healthy again, so each GPU gives one sample per
 //!   plugin run; [`HEALTH_RUNS`] plugin runs give each side [`HEALTH_SAMPLES`] samples a bench
-//!   (four a side, as before, moved the p50 ratio from 1.2× to 2.6× between runs).
+//!   (four a side were too few: the p50 ratio moved widely between runs; see RESULTS.md).
 //! - VmRSS of the plugin process after registration and after the 10,000 Allocates.
 //! - the Allocate transport floor: the same client against a server that answers at once
 //!   (`crate::floor`), the least any plugin can take here.
