@@ -1010,11 +1010,7 @@ fn cc_shared(path: &Path, soname: &str) {
 #[test]
 fn soname_is_read_from_the_elf_file_when_the_cache_has_none() {
     if !have_cc() {
-        assert!(
-            std::env::var("GPUPOOL_E2E_STRICT").as_deref() != Ok("1"),
-            "GPUPOOL_E2E_STRICT=1, so this must run, but there is no C compiler (cc)"
-        );
-        eprintln!("skipped: no C compiler (cc) to build an ELF shared object");
+        gpupool_sim::testbed::skip("no C compiler (cc) to build an ELF shared object");
         return;
     }
     let version = "550.54.15";
@@ -1304,7 +1300,10 @@ fn real_ld_cache_of_an_elf_driver_root_gives_every_soname() {
         .output()
         .is_ok_and(|o| o.stdout.starts_with(b"0\n"));
     if !is_root || !have_cc() || CacheFlags::host() != Some(X86) {
-        eprintln!("skipped: needs root (ldconfig -r chroots), cc and an x86-64 host");
+        gpupool_sim::testbed::skip(&format!(
+            "needs root (ldconfig -r chroots), cc and an x86-64 host (root: {is_root}, cc: {})",
+            have_cc()
+        ));
         return;
     }
     let version = "550.54.15";

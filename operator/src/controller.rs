@@ -319,6 +319,12 @@ async fn apply(pool: &GpuPool, ctx: &Context, now: Timestamp) -> Result<Action> 
         .map(|(node_name, resolved, kept_mig)| {
             let gn_api = gn_api.clone();
             async move {
+                // The spec carries the MIG layout and sharing mode the agent drains for and
+                // applies: a disruptive write, so only while this replica leads.
+                if !ctx.may_act() {
+                    let action = format!("applying GpuNode {node_name}");
+                    return (node_name, Err(Error::NotLeading(action)));
+                }
                 let desired = desired_gpunode(pool, &node_name, &resolved, kept_mig);
                 let result = gn_api
                     .patch(
@@ -515,6 +521,12 @@ async fn sync_node(
         .eq(want.iter().map(String::as_str));
     if label_ok && taint_ok {
         return Ok(());
+    }
+    // Labels and fences (the MIG drain's taint) decide where pods may run: only while leading.
+    if !ctx.may_act() {
+        return Err(Error::NotLeading(format!(
+            "labelling/tainting node {node_name}"
+        )));
     }
     let mut patch = json!({ "metadata": { "labels": { POOL_LABEL: pool } } });
     if !taint_ok {

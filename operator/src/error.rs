@@ -45,6 +45,10 @@ pub enum Error {
         /// What the deserializer said.
         message: String,
     },
+    /// A write that hands a node its desired state (a MIG layout, a sharing mode, a fence)
+    /// was not made: this replica no longer leads, or is shutting down.
+    #[error("{0}: not written, this replica no longer leads")]
+    NotLeading(String),
 }
 
 impl Error {
@@ -106,6 +110,7 @@ impl Error {
             Error::MissingField(..) => "missing_field",
             Error::Serialize { .. } => "serialize",
             Error::InvalidPool { .. } => "invalid_pool",
+            Error::NotLeading(_) => "not_leading",
         }
     }
 }

@@ -1010,6 +1010,42 @@ async fn a_lost_lease_stops_disruptive_writes_at_once() {
     }
 }
 
+/// A replica that lost its lease hands no node a new desired state: a node the pool has just
+/// selected gets no GpuNode (which would carry a MIG layout and a sharing mode to drain for)
+/// and no pool label or fence. Only the pool status is written, and the reconcile fails, so
+/// it is retried by whoever leads next.
+#[tokio::test]
+async fn a_lost_lease_hands_no_node_a_new_desired_state() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut f = Fixture::new(Client::new(service, "default"));
+    let p = with_finalizer(pool("train", "2026-01-01T00:00:00Z", &[("team", "ml")]));
+    f.pool(&p);
+    f.node(&gpu_node("n1", None, false));
+    f.ctx.acting.cancel();
+    let answer = serde_json::to_value(&p).unwrap();
+    let expected = vec![
+        Expect {
+            answer: Some(answer),
+            ..expect(Method::PATCH, "/gpupools/train/status", |body| {
+                assert_eq!(body["status"]["problems"][0]["reason"], "NotReported");
+            })
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReadyFalse")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ConflictFalse")
+        }),
+    ];
+    let error = run_failing(f, &p, expected, handle).await;
+    assert!(
+        error
+            .to_string()
+            .contains("applying GpuNode n1: not written, this replica no longer leads"),
+        "{error}"
+    );
+}
+
 /// An operator (re)started into a cluster whose agent last wrote two hours ago, "idle": the
 /// report is shown (Ready, with the node named as unconfirmed) but nothing is done on it, not
 /// even with the pod long past its deadline.

@@ -638,7 +638,7 @@ mod tests {
     #[test]
     fn elf_libraries_carry_their_soname() {
         if !have_cc() {
-            eprintln!("skipped: no C compiler (cc) on this machine");
+            crate::testbed::skip("no C compiler (cc) on this machine");
             return;
         }
         let tmp = TempRoot::new("elf");
@@ -720,7 +720,7 @@ mod tests {
             .output()
             .is_ok_and(|o| o.stdout.starts_with(b"0\n"));
         if !is_root || !have_cc() {
-            eprintln!("skipped: needs root (mknod, ldconfig -r) and cc");
+            crate::testbed::skip("needs root (mknod, ldconfig -r) and cc");
             return;
         }
         let tmp = TempRoot::new("root");

@@ -21,6 +21,8 @@ pub mod models;
 pub mod node;
 pub mod state;
 pub mod state_file;
+#[cfg(feature = "driver-root")]
+pub mod testbed;
 
 pub use error::{SimError, SimResult};
 pub use fixture::{

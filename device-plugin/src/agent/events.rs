@@ -113,13 +113,28 @@ fn mig_events(previous: Option<&NodeMigStatus>, now: &NodeMigStatus) -> Option<A
         MigState::Applied if prev.is_some() && prev != Some(MigState::Idle) => Some(
             AgentEvent::new(false, "MigApplied", "the MIG layout is applied".to_owned()),
         ),
-        MigState::Failed => Some(AgentEvent::new(
-            true,
-            "MigFailed",
-            now.message.clone().unwrap_or_default(),
-        )),
+        // The note names what failed (for a drain timeout, the pods still holding the GPUs),
+        // so the action differs with it: a later failure naming other pods is an Event of its
+        // own, not a repeat of the first one's note.
+        MigState::Failed => {
+            let note = now.message.clone().unwrap_or_default();
+            let action = format!(
+                "MigFailed:{}:{:016x}",
+                now.reason.as_deref().unwrap_or("Unknown"),
+                note_digest(&note)
+            );
+            Some(AgentEvent::new(true, "MigFailed", note).with_action(action))
+        }
         _ => None,
     }
+}
+
+/// A digest of an Event's note (64-bit FNV-1a: the same in every build), for an action that
+/// must differ when the note does.
+fn note_digest(note: &str) -> u64 {
+    note.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// The Event for another device plugin appearing, changing sockets, or going away.
@@ -352,6 +367,53 @@ mod tests {
                 .collect(),
             ..Findings::default()
         }
+    }
+
+    /// A drain that times out is a Warning naming the pods still holding the GPUs, and a later
+    /// one naming another pod is an Event of its own (kube's recorder folds Events of one
+    /// reason and action into a series that keeps the first note).
+    #[test]
+    fn a_drain_timeout_is_a_warning_naming_the_pod_each_time() {
+        let o = |state: MigState, message: Option<&str>| Observed {
+            mig: Some(NodeMigStatus {
+                state,
+                reason: message.map(|_| "DrainTimeout".to_owned()),
+                message: message.map(str::to_owned),
+                gpus: vec![0],
+                observed_generation: Some(2),
+            }),
+            ..Observed::default()
+        };
+        let first = "still held after 300s: pod team-a/notebook-0 holds GPU 0; MIG layout not \
+                     applied, the instances are intact";
+        let events = transitions(
+            &o(MigState::Draining, None),
+            &o(MigState::Failed, Some(first)),
+        );
+        let [event] = events.as_slice() else {
+            panic!("one Event: {:?}", said(&events))
+        };
+        assert!(event.warning);
+        assert_eq!(event.reason, "MigFailed");
+        assert!(event.note.contains("team-a/notebook-0"), "{}", event.note);
+        assert!(
+            event.note.contains("instances are intact"),
+            "{}",
+            event.note
+        );
+        assert!(event.action.starts_with("MigFailed:DrainTimeout:"));
+        let second = first.replace("team-a/notebook-0", "team-b/server-1");
+        let again = transitions(
+            &o(MigState::Draining, None),
+            &o(MigState::Failed, Some(&second)),
+        );
+        assert_eq!(again.len(), 1);
+        assert!(again[0].note.contains("team-b/server-1"));
+        assert_ne!(
+            again[0].action, event.action,
+            "a failure naming other pods must not fold into the first one's series"
+        );
+        assert!(again[0].action.len() <= 128, "the Events API's limit");
     }
 
     #[test]
@@ -700,7 +762,7 @@ mod tests {
                     mig: mig(MigState::Failed, &[0], Some("drain timed out")),
                     ..o()
                 },
-                vec!["Warning MigFailed [MigFailed] drain timed out"],
+                vec!["Warning MigFailed [MigFailed:Unknown:0fb440058f5218aa] drain timed out"],
             ),
             (
                 "CDI spec fails",
