@@ -295,6 +295,9 @@ pub enum CheckName {
     /// The agent runs in the host's PID namespace, so it sees the GPU processes (without it
     /// every GPU would look empty: activity is then `Unknown` and MIG and sharing changes hold).
     HostPidNamespace,
+    /// The driver root the GpuNode names is one this node trusts (the agent's
+    /// `--allowed-driver-roots`, no symlink on the way); the agent uses no file under any other.
+    DriverRootTrusted,
     /// A check this version does not know (from a newer agent), kept as written. Never holds
     /// one of the names above: [`CheckName::from`] maps those to their variants.
     Other(String),
@@ -314,6 +317,7 @@ impl CheckName {
             CheckName::XidErrors => "XidErrors",
             CheckName::PersistenceMode => "PersistenceMode",
             CheckName::HostPidNamespace => "HostPIDNamespace",
+            CheckName::DriverRootTrusted => "DriverRootTrusted",
             CheckName::Other(name) => name,
         }
     }
@@ -346,6 +350,7 @@ impl From<&str> for CheckName {
             "XidErrors" => CheckName::XidErrors,
             "PersistenceMode" => CheckName::PersistenceMode,
             "HostPIDNamespace" => CheckName::HostPidNamespace,
+            "DriverRootTrusted" => CheckName::DriverRootTrusted,
             other => CheckName::Other(other.to_owned()),
         }
     }
@@ -593,6 +598,7 @@ mod tests {
             (CheckName::DriverVersion, "DriverVersion"),
             (CheckName::CudaVersion, "CUDAVersion"),
             (CheckName::HostPidNamespace, "HostPIDNamespace"),
+            (CheckName::DriverRootTrusted, "DriverRootTrusted"),
             (CheckName::Other("FanSpeed".into()), "FanSpeed"),
         ] {
             assert_eq!(serde_json::to_value(&name).unwrap(), text);

@@ -71,12 +71,14 @@ const LIBRARY_DIRS: [&str; 7] = [
     "usr/lib",
 ];
 
-/// Driver binaries mounted when present (executables only, as nvidia-ctk does).
-const BINARIES: [&str; 7] = [
+/// Driver binaries mounted when present (executables only). Not `nvidia-cuda-mps-control`,
+/// which nvidia-ctk mounts: with it a tenant running as root could quit or reconfigure the
+/// MPS daemon its co-tenants use (docs/security.md); MPS clients need only the pipe the
+/// allocation mounts.
+const BINARIES: [&str; 6] = [
     "usr/bin/nvidia-smi",
     "usr/bin/nvidia-debugdump",
     "usr/bin/nvidia-persistenced",
-    "usr/bin/nvidia-cuda-mps-control",
     "usr/bin/nvidia-cuda-mps-server",
     "usr/bin/nvidia-imex",
     "usr/bin/nvidia-imex-ctl",
@@ -88,9 +90,10 @@ const IPC_SOCKETS: [&str; 2] = [
     "run/nvidia-fabricmanager/socket",
 ];
 
-/// Directories mounted whole when present: the MPS control daemon's pipe directory, which MPS
-/// clients in the container need.
-const IPC_DIRS: [&str; 1] = ["tmp/nvidia-mps"];
+// No directory is mounted whole. The host's `/tmp/nvidia-mps` (the pipe directory of an MPS
+// daemon started by hand) is not: anyone who can write the host's `/tmp` could put a link or a
+// fake control socket there. The MPS pipes clients get come with the allocation, from the
+// per-GPU directories the agent created and owns (`agent::mps`).
 
 /// Configuration files of the graphics and compute loaders (glvnd EGL, EGL external platforms,
 /// Vulkan, OpenCL, OptiX): where each is looked for under the driver root, first found wins, and
@@ -647,7 +650,7 @@ pub fn discover_host_files_for_arch(
     let mut add = |files: &mut HostFiles, rel: &str, container: Option<&str>| match resolve(
         &root, rel, &root,
     ) {
-        Resolved::Inside(real) if real.is_file() || is_socket(&real) || is_ipc_dir(rel, &real) => {
+        Resolved::Inside(real) if real.is_file() || is_socket(&real) => {
             let container = container.map_or_else(|| format!("/{rel}"), str::to_owned);
             mounts.insert(container, real.to_string_lossy().into_owned());
             true
@@ -684,7 +687,7 @@ pub fn discover_host_files_for_arch(
             }
         }
     }
-    for socket in IPC_SOCKETS.iter().chain(&IPC_DIRS) {
+    for socket in IPC_SOCKETS {
         add(&mut files, socket, None);
     }
     files.mounts = mounts
@@ -723,11 +726,6 @@ fn add_if_outside(root: &Path, files: &mut HostFiles, rel: &str) {
     if let Resolved::Outside(real) = resolve(root, rel, root) {
         reject(files, rel, &real.to_string_lossy());
     }
-}
-
-/// Only the IPC directories are mounted as directories.
-fn is_ipc_dir(rel: &str, real: &Path) -> bool {
-    IPC_DIRS.contains(&rel) && real.is_dir()
 }
 
 /// A library found under the root (`rel`, with the ld.so.cache entry name that led to it, if

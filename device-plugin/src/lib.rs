@@ -12,6 +12,7 @@ pub mod occupancy;
 pub mod pidns;
 pub mod plugin;
 pub mod podresources;
+pub mod trust;
 pub mod utilization;
 pub mod validate;
 pub mod xid;

@@ -72,6 +72,15 @@ struct Cli {
     /// Overrides the GpuNode's `cdi.driverRoot`.
     #[arg(long, env = "GPUPOOL_DRIVER_ROOT")]
     driver_root: Option<PathBuf>,
+    /// The driver roots (comma-separated, plain absolute paths) a GpuNode's `cdi.driverRoot`
+    /// may name on this node. The agent runs the driver's programs and mounts its libraries
+    /// into every GPU container from that root, so any other is refused: the DriverRootTrusted
+    /// check fails, an Event says why, and the node keeps the root it last trusted.
+    /// `--driver-root` is trusted as it is.
+    #[arg(long, env = "GPUPOOL_ALLOWED_DRIVER_ROOTS",
+        default_value = gpupool_device_plugin::trust::DEFAULT_ALLOWED_DRIVER_ROOTS,
+        value_parser = |s: &str| gpupool_device_plugin::trust::AllowedRoots::parse(s).map_err(|e| e.to_string()))]
+    allowed_driver_roots: gpupool_device_plugin::trust::AllowedRoots,
     /// Where the host's `/` is mounted in this container (the chart: `/host`). The driver
     /// root is read under it, NVML is loaded from it, and the CDI spec still names host
     /// paths, so the agent runs on its own image's libraries whatever the host's are.
@@ -233,6 +242,7 @@ fn agent_config(cli: &Cli) -> AgentConfig {
         kubelet_dir: cli.kubelet_dir.clone(),
         cdi_dir: cli.cdi_dir.clone(),
         driver_root: cli.driver_root.clone(),
+        allowed_driver_roots: cli.allowed_driver_roots.clone(),
         host_root: cli.host_root.clone(),
         proc_root: cli.proc_root.clone(),
         host_proc_root: cli.host_proc_root.clone().unwrap_or_else(|| {

@@ -1183,7 +1183,7 @@ fn every_golden_spec_has_unique_container_paths_and_leaves_ld_library_path_alone
 }
 
 #[test]
-fn graphics_loader_configs_firmware_imex_and_mps_are_mounted() {
+fn graphics_loader_configs_firmware_and_imex_are_mounted_and_mps_control_is_not() {
     let inv = h200();
     let version = inv.driver.driver_version.clone();
     let tmp = tempfile::tempdir().unwrap();
@@ -1223,10 +1223,6 @@ fn graphics_loader_configs_firmware_imex_and_mps_are_mounted() {
             "/DRIVER_ROOT/usr/bin/nvidia-imex-ctl".to_owned(),
         ),
         (
-            "/tmp/nvidia-mps".to_owned(),
-            "/DRIVER_ROOT/tmp/nvidia-mps".to_owned(),
-        ),
-        (
             "/run/nvidia-persistenced/socket".to_owned(),
             "/DRIVER_ROOT/run/nvidia-persistenced/socket".to_owned(),
         ),
@@ -1241,6 +1237,26 @@ fn graphics_loader_configs_firmware_imex_and_mps_are_mounted() {
     ] {
         assert_eq!(mounts.get(&container), Some(&host), "{container}");
     }
+    // The driver root holds both (the fake driver root has them, as a real one does), and
+    // neither reaches a tenant: the control program would let a tenant quit or reconfigure
+    // the MPS daemon co-tenants use, and the host's /tmp is anyone's to write.
+    for withheld in ["/usr/bin/nvidia-cuda-mps-control", "/tmp/nvidia-mps"] {
+        assert!(
+            tmp.path()
+                .join("driver")
+                .join(withheld.trim_start_matches('/'))
+                .exists(),
+            "the fixture lacks {withheld}"
+        );
+        assert!(
+            !mounts.contains_key(withheld) && !mounts.values().any(|h| h.ends_with(withheld)),
+            "{withheld} is mounted into GPU containers"
+        );
+    }
+    assert!(
+        mounts.contains_key("/usr/bin/nvidia-cuda-mps-server"),
+        "{mounts:?}"
+    );
 }
 
 #[test]
@@ -1280,9 +1296,12 @@ fn symlinked_config_and_mps_dir_leaving_the_root_are_left_out() {
         host.rejected
     );
     assert!(
-        host.rejected.iter().any(|r| r == "tmp/nvidia-mps"),
+        !plan
+            .mounts
+            .iter()
+            .any(|m| m.container_path.contains("nvidia-mps") || m.host_path.contains("nvidia-mps")),
         "{:?}",
-        host.rejected
+        plan.mounts
     );
     assert!(
         plan.mounts

@@ -316,7 +316,7 @@ pub enum SpecState {
 /// host's `/` is mounted in this process (`None`: at `/`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Roots<'a> {
-    /// The agent's `--driver-root`, overriding the policy's.
+    /// The driver root in use, one the node trusts ([`crate::trust`]); `None`: the policy's.
     pub driver_root: Option<&'a Path>,
     /// The agent's `--host-root`.
     pub host_root: Option<&'a Path>,

@@ -68,8 +68,10 @@ pub struct AgentConfig {
     pub pod_source: crate::podresources::PodSource,
     /// Overrides the GpuNode's `cdi.specDir`.
     pub cdi_dir: Option<PathBuf>,
-    /// Overrides the GpuNode's `cdi.driverRoot`.
+    /// Overrides the GpuNode's `cdi.driverRoot` (the admin's own setting: trusted as it is).
     pub driver_root: Option<PathBuf>,
+    /// The driver roots a GpuNode's `cdi.driverRoot` may name on this node ([`crate::trust`]).
+    pub allowed_driver_roots: crate::trust::AllowedRoots,
     /// Where the host's `/` is mounted in this process; the driver root is read under it,
     /// and the CDI spec still names host paths (`None`: the host's `/` is ours).
     pub host_root: Option<PathBuf>,

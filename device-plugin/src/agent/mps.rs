@@ -198,9 +198,10 @@ impl MpsPaths {
         self.root.join(uuid).join(RECORD)
     }
 
-    /// The control program under the driver root, host terms.
+    /// The control program under the driver root, host terms, once it is found there and
+    /// nobody but root can have written it ([`crate::trust::check_program`]): it runs as root.
     pub fn control_binary(&self) -> Result<PathBuf, String> {
-        CONTROL_DIRS
+        let program = CONTROL_DIRS
             .iter()
             .map(|d| self.driver_root.join(d).join(CONTROL_BINARY))
             .find(|p| self.local(p).is_file())
@@ -210,7 +211,10 @@ impl MpsPaths {
                     self.driver_root.display(),
                     CONTROL_DIRS.join(", ")
                 )
-            })
+            })?;
+        crate::trust::check_program(&self.local(&self.driver_root), &self.local(&program))
+            .map_err(|why| format!("{CONTROL_BINARY} refused: {why}"))?;
+        Ok(program)
     }
 
     /// The environment a daemon of `spec` (and its control client) runs with.
@@ -1613,6 +1617,40 @@ mod tests {
             active_thread_percentage: 25,
         };
         (paths, spec)
+    }
+
+    /// A control program someone other than root could have written (group-writable here) is
+    /// never run: the GPU's MPS state says why, and no daemon starts. Made safe again, it runs.
+    #[tokio::test]
+    async fn a_writable_control_program_is_not_run() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (paths, spec) = fake_node(dir.path());
+        let program = paths.control_binary().unwrap();
+        let _kill = KillOnExit(paths.clone(), spec.uuid.clone());
+        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let mut job = MpsJob::new(paths.clone());
+        for _ in 0..3 {
+            job.sync(std::slice::from_ref(&spec), Instant::now()).await;
+        }
+        let state = job.states().get(&0).cloned();
+        let why = state.and_then(Result::err).unwrap_or_default();
+        assert!(
+            why.contains("nvidia-cuda-mps-control refused")
+                && why.contains("writable by its group or others"),
+            "{why}"
+        );
+        assert!(
+            !paths.local(&paths.record(&spec.uuid)).exists(),
+            "a daemon was started from a writable program"
+        );
+        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(
+            sync_until(&mut job, std::slice::from_ref(&spec), running).await,
+            "{:?}",
+            job.states()
+        );
+        job.stop_all().await;
     }
 
     fn running(j: &MpsJob) -> bool {

@@ -33,6 +33,7 @@ use crate::cdi::DriverRoot;
 use crate::inventory::Inventory;
 use crate::pidns::HostPidNamespace;
 use crate::plugin::{self, Advertisement, Topology};
+use crate::trust::{self, Refusal, TrustedRoot};
 
 /// How long one PodResources read for the sharing gate may take.
 const POD_RESOURCES_TIMEOUT: Duration = Duration::from_secs(5);
@@ -43,6 +44,11 @@ pub struct NodeState {
     /// Whether the agent sees the host's processes (read once: a process's PID namespace is
     /// fixed for its life).
     host_pid: HostPidNamespace,
+    /// The driver root in use: the last one the node trusted (`None`: none yet, so no CDI
+    /// spec is written, no driver program runs and no device is advertised).
+    driver_root: Option<TrustedRoot>,
+    /// This pass's verdict on the driver root the GpuNode names.
+    root_decision: Result<TrustedRoot, Refusal>,
     /// Whether the GpuNode's recorded MIG state has been taken up (first pass only).
     mig_restored: bool,
     cdi: CdiJob,
@@ -87,6 +93,10 @@ impl NodeState {
                 now,
             ),
             host_pid: host_pid_namespace(&config.host_proc_root),
+            driver_root: None,
+            root_decision: Err(Refusal::NotPlain {
+                root: String::new(),
+            }),
             mig_restored: false,
             cdi: CdiJob::default(),
             validation: ValidationJob::new(config.kmsg_path.clone(), config.validate_interval, now),
@@ -154,6 +164,7 @@ impl NodeState {
             }
             self.mig_restored = true;
         }
+        self.decide_driver_root(agent, &spec.cdi.driver_root);
         let mut inventory = self.read_inventory(agent).await;
         let mut mig_wake: Option<Instant> = None;
 
@@ -203,23 +214,17 @@ impl NodeState {
         // CDI spec, MPS daemons and advertised devices follow the hardware, except
         // mid-reconfiguration.
         let mut mps_wake = None;
-        if let (false, Some(inv)) = (self.mig.busy(), inv) {
+        if let (false, Some(inv), Some(root)) = (self.mig.busy(), inv, self.driver_root.clone()) {
             self.cdi.sync(
                 agent.config.cdi_dir.as_deref(),
                 Roots {
-                    driver_root: agent.config.driver_root.as_deref(),
+                    driver_root: Some(root.path()),
                     host_root: agent.config.host_root.as_deref(),
                 },
                 &spec.cdi,
                 inv,
             );
-            self.mps.set_driver_root(
-                agent
-                    .config
-                    .driver_root
-                    .clone()
-                    .unwrap_or_else(|| spec.cdi.driver_root.clone().into()),
-            );
+            self.mps.set_driver_root(root.path().to_path_buf());
             // A pending change decides on PodResources read now, not on the last sample (which
             // a restarted agent has not taken yet).
             let fresh = if self.sharing_gate.settled(&spec.sharing) {
@@ -284,13 +289,13 @@ impl NodeState {
         }
 
         let now = Instant::now();
-        if self.validation.due(generation, now) {
-            let root = agent
-                .config
-                .driver_root
-                .clone()
-                .unwrap_or_else(|| spec.cdi.driver_root.clone().into());
-            let root = local_driver_root(agent.config.host_root.as_deref(), root);
+        if let Some(root) = self
+            .driver_root
+            .as_ref()
+            .filter(|_| self.validation.due(generation, now))
+        {
+            let root =
+                local_driver_root(agent.config.host_root.as_deref(), root.path().to_path_buf());
             self.validation
                 .run(
                     &agent.backend,
@@ -344,7 +349,13 @@ impl NodeState {
         health: &BTreeMap<String, plugin::Health>,
     ) {
         let mig = self.sharing_gate.status(self.mig.status());
-        let checks = with_host_pid_check(self.validation.checks(), &self.host_pid);
+        let mut checks = with_host_pid_check(self.validation.checks(), &self.host_pid);
+        if self.root_decision.is_err() || !checks.is_empty() {
+            checks.push(trust::root_check(
+                &self.root_decision,
+                self.driver_root.as_ref(),
+            ));
+        }
         let observed = Observed {
             checks: checks.clone(),
             mig: Some(mig.clone()),
@@ -394,6 +405,29 @@ impl NodeState {
             cdi_spec_ready: self.cdi.check().map(Result::is_ok),
             foreign_device_plugins: self.foreign.findings().map(|f| f.live.len() as u32),
         }));
+    }
+}
+
+impl NodeState {
+    /// Decides which driver root this pass uses: the admin's `--driver-root`, else the
+    /// GpuNode's `requested` root when the node trusts it, else the last one it trusted.
+    fn decide_driver_root(&mut self, agent: &Agent, requested: &str) {
+        let decision = match &agent.config.driver_root {
+            Some(configured) => Ok(TrustedRoot::configured(configured.clone())),
+            None => agent
+                .config
+                .allowed_driver_roots
+                .check(requested, agent.config.host_root.as_deref()),
+        };
+        match &decision {
+            Ok(root) => self.driver_root = Some(root.clone()),
+            Err(why) if self.root_decision.as_ref().err() != Some(why) => {
+                let kept = self.driver_root.as_ref().map(ToString::to_string);
+                tracing::warn!(%why, kept = kept.as_deref().unwrap_or("none"), "driver root refused");
+            }
+            Err(_) => {}
+        }
+        self.root_decision = decision;
     }
 }
 

@@ -201,12 +201,17 @@ const DELIBERATE_FILES: [(&str, &str, &str); 3] = [
          find libnvidia-opencl; nvidia-ctk mounts no OpenCL ICD",
     ),
     (
-        "gpupool",
-        "/tmp/nvidia-mps",
-        "we mount the MPS pipe directory, through which MPS clients in the container reach the \
-         node's MPS control daemon; nvidia-ctk mounted none from this driver root",
+        "nvidia",
+        "/usr/bin/nvidia-cuda-mps-control",
+        "nvidia-ctk mounts the MPS control program into every container; we mount it into none, \
+         so a tenant cannot quit or reconfigure the node's MPS daemon (docs/security.md)",
     ),
 ];
+
+/// Mounts nvidia-ctk makes that our spec leaves out of tenants' containers on purpose.
+fn is_withheld_from_tenants(m: &(String, String)) -> bool {
+    m.0.ends_with("/nvidia-cuda-mps-control")
+}
 
 /// The reasons that explain every item of `diff` (host paths) on `side`, or `None` if one is
 /// not explained.
@@ -254,7 +259,7 @@ fn compare_mounts(report: &mut Report, s: &str, nvidia: &Normalized, ours: &Norm
     let nvidia_mounts: BTreeSet<(String, String)> = nvidia
         .mounts
         .iter()
-        .filter(|m| !is_void_mount(m))
+        .filter(|m| !is_void_mount(m) && !is_withheld_from_tenants(m))
         .cloned()
         .collect();
     report.compare_sets(
@@ -283,15 +288,13 @@ fn compare_mounts(report: &mut Report, s: &str, nvidia: &Normalized, ours: &Norm
             let explained = o.iter().all(|(c, h)| {
                 (stem(c).is_some() && stem(c) == stem(h))
                     || c == "/etc/OpenCL/vendors/nvidia.icd"
-                    || c == "/tmp/nvidia-mps"
             });
             explained.then(|| {
                 "each driver library is also mounted under its soname (and libcuda.so) in \
                  /usr/local/nvidia/lib64 (on the LD_LIBRARY_PATH of NVIDIA's CUDA and pytorch \
                  images) and in /usr/lib/<multiarch> and /usr/lib64 (glibc's default search), \
                  where nvidia-ctk mounts host paths only and relies on its create-symlinks and \
-                 update-ldcache hooks; plus the OpenCL ICD file and the MPS pipe directory (see \
-                 the hostPath row)"
+                 update-ldcache hooks; plus the OpenCL ICD file (see the hostPath row)"
                     .to_owned()
             })
         },
