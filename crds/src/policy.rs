@@ -206,6 +206,15 @@ pub struct CdiPolicy {
     /// `/run/nvidia/driver` for a containerized one).
     #[serde(default = "default_driver_root")]
     #[x_kube(validation = absolute_path_rule("cdi.driverRoot"))]
+    // On every object that carries a CdiPolicy, GpuNodes too: one spelling per path, so the
+    // rules below (and the agents' list of trusted roots) cannot be passed by `//proc` or
+    // `/./proc`.
+    #[x_kube(validation = kube::core::Rule::new(
+        "!self.contains('//') && !self.split('/').exists(p, p == '.')"
+    ).message(kube::core::Message::Message(
+        "cdi.driverRoot must be written without '//' or '.' components, e.g. /run/nvidia/driver \
+         (//proc and /./proc are /proc)".into()
+    )))]
     #[x_kube(validation = kube::core::Rule::new(
         "!['/proc', '/sys', '/dev', '/etc', '/var/lib/kubelet'].exists(p, self == p || self.startsWith(p + '/'))"
     ).message(kube::core::Message::Message(

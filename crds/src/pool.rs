@@ -54,13 +54,8 @@ pub struct GpuPoolSpec {
 
     /// CDI spec generation.
     #[serde(default)]
-    // These rules sit here rather than on `CdiPolicy`, which the GpuNode CRD shares.
-    #[x_kube(validation = kube::core::Rule::new(
-        "!has(self.driverRoot) || (!self.driverRoot.contains('//') && !self.driverRoot.split('/').exists(p, p == '.'))"
-    ).message(kube::core::Message::Message(
-        "cdi.driverRoot must be written without '//' or '.' components, e.g. /run/nvidia/driver \
-         (//proc and /./proc are /proc)".into()
-    )))]
+    // This rule sits here rather than on `CdiPolicy`: the operator writes GpuNodes from
+    // pools, so a pool that passes need not be checked again on its GpuNodes.
     #[x_kube(validation = kube::core::Rule::new(
         "!has(self.deviceNameStrategies) || size(self.deviceNameStrategies) < 2 || self.deviceNameStrategies[0] != self.deviceNameStrategies[1]"
     ).message(kube::core::Message::Message(

@@ -13,6 +13,24 @@ fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The schema of the CRD of `kind` (GpuPool or GpuNode).
+fn schema_of(kind: &str) -> Value {
+    match kind {
+        "GpuNode" => node_schema(),
+        _ => pool_schema(),
+    }
+}
+
+fn node_schema() -> Value {
+    let crd = gpupool_crds::node::GpuNode::crd();
+    let schema = crd.spec.versions[0]
+        .schema
+        .as_ref()
+        .and_then(|s| s.open_api_v3_schema.as_ref())
+        .expect("GpuNode CRD has a schema");
+    serde_json::to_value(schema).expect("schema serializes")
+}
+
 fn pool_schema() -> Value {
     let crd = GpuPool::crd();
     let schema = crd.spec.versions[0]
@@ -159,7 +177,6 @@ fn valid_files() -> Vec<PathBuf> {
 
 #[test]
 fn every_invalid_case_is_rejected_by_its_layer_with_its_message() {
-    let schema = pool_schema();
     let cases: Vec<Case> = yaml_files(&repo_root().join("crds/tests/invalid"))
         .iter()
         .map(|p| load(p))
@@ -176,6 +193,7 @@ fn every_invalid_case_is_rejected_by_its_layer_with_its_message() {
             "{} lacks '# expect:'",
             case.path.display()
         );
+        let schema = schema_of(case.object["kind"].as_str().unwrap_or_default());
         let errors = match case.layer.as_str() {
             "schema" => schema_errors(&schema, &case.object),
             "cel" => {
