@@ -190,6 +190,11 @@ pub struct GpuNodeStatus {
     pub heartbeat_time: Option<Time>,
 }
 
+/// The isolation MPS gives ([`GpuSharing::isolation`]): device memory capped per client, and
+/// nothing else kept apart. Every client of a GPU's daemon shares its control pipe and
+/// `/dev/shm`, so co-tenants must trust each other (docs/security.md).
+pub const MPS_ISOLATION: &str = "Memory (tenants trusted)";
+
 /// How a GPU is shared, and what that isolates.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -199,8 +204,10 @@ pub struct GpuSharing {
     /// Pods per device.
     pub replicas: u32,
     /// What keeps the pods sharing a device apart: `None` for time-slicing (shared memory and
-    /// faults: one pod can run the others out of memory), `Memory` for MPS (each client's
-    /// device memory is capped; faults are still shared), `Hardware` between MIG devices.
+    /// faults: one pod can run the others out of memory), `Memory (tenants trusted)` for MPS
+    /// (each client's device memory is capped; faults, the daemon's control pipe and `/dev/shm`
+    /// are shared, so a tenant running as root can stop or reconfigure the daemon and read its
+    /// co-tenants' shared memory), `Hardware` between MIG devices.
     pub isolation: String,
     /// MPS: the device memory each client may pin, in MiB.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -463,7 +463,7 @@ fn mps_daemon_pids(driver_root: &Path) -> Vec<i32> {
 /// Step 9: GPU 1 under MPS, two clients of 4 GiB and 50 % of the threads each. The agent starts
 /// the (fake) control daemon on GPU 1 and sends it exactly the two limit commands; capacity
 /// becomes 2; both pods' containers get GPU 1's CDI device, its server's pipe directory and
-/// shared memory, and the limits as environment; GPU 1 reports isolation `Memory`. Killing the
+/// shared memory, and the limits as environment; GPU 1 reports isolation `Memory (tenants trusted)`. Killing the
 /// daemon takes both replicas out of allocatable until the agent's restart is up.
 async fn mps(
     client: &Client,
@@ -502,7 +502,7 @@ async fn mps(
         .context("no GPU 1 in status")?;
     let sharing = gpu.sharing.clone().context("GPU 1 not shared")?;
     ensure!(
-        sharing.isolation == "Memory"
+        sharing.isolation == "Memory (tenants trusted)"
             && sharing.replicas == 2
             && sharing.memory_limit_mib == Some(4096)
             && sharing.active_thread_percentage == Some(50),

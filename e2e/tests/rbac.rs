@@ -503,6 +503,169 @@ async fn operator_and_agent_work_as_the_charts_service_accounts() -> Result<()> 
         "{}",
         run.stderr
     );
+    // Nor give a Job a bogus owner (the garbage collector would delete it and its pods) or a
+    // finalizer, even together with the suspend it may make.
+    for (what, body) in [
+        (
+            "an owner reference",
+            format!(
+                r#"{{"spec":{{"suspend":true}},"metadata":{{"ownerReferences":[{{"apiVersion":"v1","kind":"ConfigMap","name":"gone","uid":"{}"}}]}}}}"#,
+                "00000000-0000-0000-0000-000000000001"
+            ),
+        ),
+        (
+            "a finalizer",
+            r#"{"spec":{"suspend":true},"metadata":{"finalizers":["example.com/hold"]}}"#
+                .to_owned(),
+        ),
+        (
+            "its TTL",
+            r#"{"spec":{"suspend":true,"ttlSecondsAfterFinished":0}}"#.to_owned(),
+        ),
+    ] {
+        let run = patch_job(&body)?;
+        ensure!(!run.success, "the operator's token gave a Job {what}");
+        assert!(
+            run.stderr
+                .contains("the gpupool operator may only suspend a Job"),
+            "{what}: {}",
+            run.stderr
+        );
+    }
+    // On Nodes it may set the pool label and its own taints, and nothing else: not strip a
+    // control-plane taint, not set another label.
+    cluster.kubectl().run([
+        "taint",
+        "node",
+        &other,
+        "node-role.kubernetes.io/control-plane:NoSchedule",
+    ])?;
+    for (what, args) in [
+        (
+            "a control-plane taint removed",
+            vec![
+                "taint",
+                "node",
+                other.as_str(),
+                "node-role.kubernetes.io/control-plane:NoSchedule-",
+            ],
+        ),
+        (
+            "a foreign label",
+            vec!["label", "node", node.as_str(), "example.com/owner=operator"],
+        ),
+        (
+            "an agent's hardware label",
+            vec![
+                "label",
+                "node",
+                node.as_str(),
+                "--overwrite",
+                "gpupool.io/gpu.count=99",
+            ],
+        ),
+    ] {
+        let run = as_operator.try_run(args, None)?;
+        ensure!(!run.success, "the operator's token made {what}");
+        assert!(
+            run.stderr
+                .contains("the gpupool operator may change only a Node's gpupool.io/pool label"),
+            "{what}: {}",
+            run.stderr
+        );
+    }
+    // A GpuNode with a driver root the agents do not trust (the agent runs programs and
+    // mounts libraries from it): refused, naming the roots they do.
+    let run = as_operator.try_run(
+        [
+            "patch",
+            "gpunode",
+            &node,
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"cdi":{"driverRoot":"/tmp/x"}}}"#,
+        ],
+        None,
+    )?;
+    ensure!(!run.success, "the operator's token gave a GpuNode /tmp/x");
+    assert!(
+        run.stderr.contains(&format!(
+            "the gpupool operator may not give GpuNode {node} the driver root /tmp/x: the agents trust only /, /run/nvidia/driver"
+        )),
+        "{}",
+        run.stderr
+    );
+    // A Kueue Workload it may only deactivate.
+    cluster.kubectl().run_with_stdin(
+        ["apply", "-f", "-"],
+        Some(
+            r#"apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: workloads.kueue.x-k8s.io
+spec:
+  group: kueue.x-k8s.io
+  names: {kind: Workload, listKind: WorkloadList, plural: workloads, singular: workload}
+  scope: Namespaced
+  versions:
+    - name: v1beta1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}
+"#,
+        ),
+    )?;
+    cluster.kubectl().run([
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/workloads.kueue.x-k8s.io",
+    ])?;
+    let workload = scope.name("wl");
+    cluster.kubectl().run_with_stdin(
+        ["apply", "-f", "-"],
+        Some(
+            &json!({
+                "apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Workload",
+                "metadata": {"name": workload, "namespace": scope.namespace()},
+                "spec": {"active": true, "queueName": "gpu-queue"},
+            })
+            .to_string(),
+        ),
+    )?;
+    let patch_workload = |body: &str| {
+        as_operator.try_run(
+            [
+                "patch",
+                "workloads.kueue.x-k8s.io",
+                "-n",
+                scope.namespace(),
+                &workload,
+                "--type=merge",
+                "-p",
+                body,
+            ],
+            None,
+        )
+    };
+    let run = patch_workload(r#"{"spec":{"active":false,"queueName":"other-queue"}}"#)?;
+    ensure!(
+        !run.success,
+        "the operator's token moved a Workload to another queue"
+    );
+    assert!(
+        run.stderr
+            .contains("the gpupool operator may only deactivate a Kueue Workload"),
+        "{}",
+        run.stderr
+    );
+    let run = patch_workload(r#"{"spec":{"active":false}}"#)?;
+    ensure!(
+        run.success,
+        "the operator could not deactivate a Workload: {}",
+        run.stderr
+    );
     let run = as_agent.try_run(["delete", "gpunode", &node, "--wait=false"], None)?;
     ensure!(!run.success, "the agent deleted its GpuNode");
     assert!(

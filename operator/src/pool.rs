@@ -928,7 +928,7 @@ pub fn pool_status(input: &StatusInput<'_>) -> GpuPoolStatus {
 
 /// The pool's `SHARING` column: `Exclusive`, or each mode with its replicas, the models or
 /// GPU indices it is limited to, and its isolation (`TimeSlicing x4 (isolation: none)`,
-/// `MPS x4 (isolation: memory)`, `MIG (isolation: hardware)` when the pool lays out MIG
+/// `MPS x4 (isolation: memory, tenants trusted)`, `MIG (isolation: hardware)` when the pool lays out MIG
 /// devices), joined by `; `.
 pub fn sharing_summary(sharing: &SharingPolicy, mig: &MigPolicy) -> String {
     fn scope(s: &mut String, models: &Option<Vec<String>>, gpus: &Option<Vec<u32>>) {
@@ -950,7 +950,7 @@ pub fn sharing_summary(sharing: &SharingPolicy, mig: &MigPolicy) -> String {
     if let Some(mps) = &sharing.mps {
         let mut s = format!("MPS x{}", mps.replicas);
         scope(&mut s, &mps.models, &mps.gpus);
-        s.push_str(" (isolation: memory)");
+        s.push_str(" (isolation: memory, tenants trusted)");
         parts.push(s);
     }
     let lays_out_mig = mig.strategy != MigStrategy::None
@@ -1883,7 +1883,7 @@ pub(crate) mod tests {
         assert!(l4.mps.is_none() && l4.time_slicing.is_some());
         assert_eq!(
             sharing_summary(&sharing, &MigPolicy::default()),
-            "TimeSlicing x4 on NVIDIA-L4 (isolation: none); MPS x8 on NVIDIA-H100-80GB-HBM3 (isolation: memory)"
+            "TimeSlicing x4 on NVIDIA-L4 (isolation: none); MPS x8 on NVIDIA-H100-80GB-HBM3 (isolation: memory, tenants trusted)"
         );
     }
 

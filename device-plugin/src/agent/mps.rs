@@ -635,7 +635,7 @@ impl MpsJob {
                     GpuSharing {
                         mode: "MPS".into(),
                         replicas: d.spec.replicas,
-                        isolation: "Memory".into(),
+                        isolation: gpupool_crds::node::MPS_ISOLATION.into(),
                         memory_limit_mib: Some(d.spec.memory_limit_mib),
                         active_thread_percentage: Some(d.spec.active_thread_percentage),
                         daemon: Some(daemon),
@@ -1433,7 +1433,7 @@ mod tests {
         }
         let sharing = job.sharing();
         assert_eq!(sharing[&0].daemon.as_deref(), Some("Running"));
-        assert_eq!(sharing[&0].isolation, "Memory");
+        assert_eq!(sharing[&0].isolation, "Memory (tenants trusted)");
 
         // A crash: the loop is woken, the GPU reports the daemon down, then it comes back.
         let pid = job.daemons[&0].process.as_ref().unwrap().pid;

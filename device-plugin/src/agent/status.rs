@@ -543,7 +543,7 @@ mod tests {
         let mps = GpuSharing {
             mode: "MPS".into(),
             replicas: 4,
-            isolation: "Memory".into(),
+            isolation: gpupool_crds::node::MPS_ISOLATION.into(),
             memory_limit_mib: Some(5000),
             active_thread_percentage: Some(25),
             daemon: Some("Running".into()),
