@@ -635,9 +635,16 @@ pub struct ReclaimPolicy {
     pub rate_limit: RateLimit,
 
     /// Pods that are never reclaimed. `kube-system` is always exempt, and so is any pod
-    /// annotated `gpupool.io/reclaim: disabled`.
+    /// annotated `gpupool.io/reclaim: disabled` while `allowPodOptOut` is true.
     #[serde(default)]
     pub exemptions: ReclaimExemptions,
+
+    /// Whether a pod may exempt itself with the annotation `gpupool.io/reclaim: disabled` (or
+    /// `disabled-until=<time>`). Anyone who can create a pod can set it, so on a pool where
+    /// tenants must not keep idle GPUs, set false: only `exemptions` (chosen by the pool's
+    /// owner) then exempt a pod.
+    #[serde(default = "default_true")]
+    pub allow_pod_opt_out: bool,
 }
 
 impl Default for ReclaimPolicy {
@@ -653,6 +660,7 @@ impl Default for ReclaimPolicy {
             only_under_pressure: false,
             rate_limit: RateLimit::default(),
             exemptions: ReclaimExemptions::default(),
+            allow_pod_opt_out: true,
         }
     }
 }

@@ -219,7 +219,11 @@ pub fn exemption(
     if pod.namespace().as_deref() == Some("kube-system") {
         return Some("kube-system pods are never reclaimed");
     }
-    if let Some(v) = pod.annotations().get(RECLAIM_OPT_OUT_ANNOTATION) {
+    if let Some(v) = pod
+        .annotations()
+        .get(RECLAIM_OPT_OUT_ANNOTATION)
+        .filter(|_| policy.allow_pod_opt_out)
+    {
         let v = v.trim();
         if v == "disabled" {
             return Some("opted out");
@@ -476,9 +480,15 @@ pub fn warning_note(
         ReclaimAction::Evict => "it will be evicted",
         ReclaimAction::Delete => "it will be deleted",
     };
+    let opt_out = if policy.allow_pod_opt_out {
+        format!(
+            "To opt out, annotate the pod {RECLAIM_OPT_OUT_ANNOTATION}=disabled (or disabled-until=<RFC 3339 time>)"
+        )
+    } else {
+        "This pool does not let pods opt out (reclaim.allowPodOptOut: false)".to_owned()
+    };
     format!(
-        "every GPU of this pod has been idle since {idle_since}; at {reclaim_at} {what} if it stays idle. \
-         To opt out, annotate the pod {RECLAIM_OPT_OUT_ANNOTATION}=disabled (or disabled-until=<RFC 3339 time>)"
+        "every GPU of this pod has been idle since {idle_since}; at {reclaim_at} {what} if it stays idle. {opt_out}"
     )
 }
 
@@ -821,6 +831,16 @@ mod tests {
                 ctx: ctx(vec![idle("2026-03-01T10:00:00Z")]),
                 policy: policy(),
                 want: Decision::Ignore("opted out"),
+            },
+            Case {
+                name: "an opt-out the pool does not allow is not honoured",
+                pod: pod(&[(RECLAIM_OPT_OUT_ANNOTATION, "disabled")]),
+                ctx: ctx(vec![idle("2026-03-01T10:00:00Z")]),
+                policy: ReclaimPolicy {
+                    allow_pod_opt_out: false,
+                    ..policy()
+                },
+                want: warn.clone(),
             },
             Case {
                 name: "expired opt-out",
