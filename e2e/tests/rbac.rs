@@ -634,38 +634,53 @@ spec:
             .to_string(),
         ),
     )?;
-    let patch_workload = |body: &str| {
-        as_operator.try_run(
-            [
-                "patch",
-                "workloads.kueue.x-k8s.io",
-                "-n",
-                scope.namespace(),
-                &workload,
-                "--type=merge",
-                "-p",
-                body,
-            ],
-            None,
+    // Through the API, not kubectl: kubectl patch reads the object first, and the operator
+    // may not get Workloads (it lists them).
+    let operator_client = {
+        let kubeconfig = kube::config::Kubeconfig::read_from(&op_kc)?;
+        let config = kube::Config::from_custom_kubeconfig(
+            kubeconfig,
+            &kube::config::KubeConfigOptions::default(),
         )
+        .await?;
+        Client::try_from(config)?
     };
-    let run = patch_workload(r#"{"spec":{"active":false,"queueName":"other-queue"}}"#)?;
-    ensure!(
-        !run.success,
-        "the operator's token moved a Workload to another queue"
-    );
-    assert!(
-        run.stderr
-            .contains("the gpupool operator may only deactivate a Kueue Workload"),
-        "{}",
-        run.stderr
-    );
-    let run = patch_workload(r#"{"spec":{"active":false}}"#)?;
-    ensure!(
-        run.success,
-        "the operator could not deactivate a Workload: {}",
-        run.stderr
-    );
+    let resource = kube::discovery::ApiResource {
+        group: "kueue.x-k8s.io".into(),
+        version: "v1beta1".into(),
+        api_version: "kueue.x-k8s.io/v1beta1".into(),
+        kind: "Workload".into(),
+        plural: "workloads".into(),
+    };
+    let workloads: Api<kube::api::DynamicObject> =
+        Api::namespaced_with(operator_client, scope.namespace(), &resource);
+    let patch_workload = |body: serde_json::Value| {
+        let workloads = workloads.clone();
+        let workload = workload.clone();
+        async move {
+            workloads
+                .patch(
+                    &workload,
+                    &kube::api::PatchParams::default(),
+                    &kube::api::Patch::Merge(&body),
+                )
+                .await
+        }
+    };
+    match patch_workload(json!({"spec": {"active": false, "queueName": "other-queue"}})).await {
+        Ok(_) => anyhow::bail!("the operator's token moved a Workload to another queue"),
+        Err(kube::Error::Api(status)) => assert!(
+            status
+                .message
+                .contains("the gpupool operator may only deactivate a Kueue Workload"),
+            "{}",
+            status.message
+        ),
+        Err(e) => anyhow::bail!("patching the Workload: {e}"),
+    }
+    patch_workload(json!({"spec": {"active": false}}))
+        .await
+        .context("the operator could not deactivate a Workload")?;
     let run = as_agent.try_run(["delete", "gpunode", &node, "--wait=false"], None)?;
     ensure!(!run.success, "the agent deleted its GpuNode");
     assert!(
