@@ -16,28 +16,24 @@ fn repo_root() -> PathBuf {
 /// The schema of the CRD of `kind` (GpuPool or GpuNode).
 fn schema_of(kind: &str) -> Value {
     match kind {
-        "GpuNode" => node_schema(),
+        "GpuNode" => schema(gpupool_crds::node::GpuNode::crd()),
         _ => pool_schema(),
     }
 }
 
-fn node_schema() -> Value {
-    let crd = gpupool_crds::node::GpuNode::crd();
-    let schema = crd.spec.versions[0]
-        .schema
-        .as_ref()
-        .and_then(|s| s.open_api_v3_schema.as_ref())
-        .expect("GpuNode CRD has a schema");
-    serde_json::to_value(schema).expect("schema serializes")
+fn pool_schema() -> Value {
+    schema(GpuPool::crd())
 }
 
-fn pool_schema() -> Value {
-    let crd = GpuPool::crd();
+fn schema(
+    crd: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+) -> Value {
+    let name = crd.metadata.name.clone().unwrap_or_default();
     let schema = crd.spec.versions[0]
         .schema
         .as_ref()
         .and_then(|s| s.open_api_v3_schema.as_ref())
-        .expect("GpuPool CRD has a schema");
+        .unwrap_or_else(|| panic!("{name} has a schema"));
     serde_json::to_value(schema).expect("schema serializes")
 }
 

@@ -23,6 +23,7 @@ pub mod crds;
 pub mod images;
 pub mod kubectl;
 pub mod kubelet;
+pub mod kueue;
 pub mod manifest;
 pub mod node;
 pub mod plot;

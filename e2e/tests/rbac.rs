@@ -596,32 +596,7 @@ async fn operator_and_agent_work_as_the_charts_service_accounts() -> Result<()> 
         run.stderr
     );
     // A Kueue Workload it may only deactivate.
-    cluster.kubectl().run_with_stdin(
-        ["apply", "-f", "-"],
-        Some(
-            r#"apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata:
-  name: workloads.kueue.x-k8s.io
-spec:
-  group: kueue.x-k8s.io
-  names: {kind: Workload, listKind: WorkloadList, plural: workloads, singular: workload}
-  scope: Namespaced
-  versions:
-    - name: v1beta1
-      served: true
-      storage: true
-      schema:
-        openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}
-"#,
-        ),
-    )?;
-    cluster.kubectl().run([
-        "wait",
-        "--for=condition=Established",
-        "--timeout=60s",
-        "crd/workloads.kueue.x-k8s.io",
-    ])?;
+    gpupool_e2e::kueue::install_workload_crd(cluster)?;
     let workload = scope.name("wl");
     cluster.kubectl().run_with_stdin(
         ["apply", "-f", "-"],
@@ -645,13 +620,7 @@ spec:
         .await?;
         Client::try_from(config)?
     };
-    let resource = kube::discovery::ApiResource {
-        group: "kueue.x-k8s.io".into(),
-        version: "v1beta1".into(),
-        api_version: "kueue.x-k8s.io/v1beta1".into(),
-        kind: "Workload".into(),
-        plural: "workloads".into(),
-    };
+    let resource = gpupool_e2e::kueue::workload_resource();
     let workloads: Api<kube::api::DynamicObject> =
         Api::namespaced_with(operator_client, scope.namespace(), &resource);
     let patch_workload = |body: serde_json::Value| {

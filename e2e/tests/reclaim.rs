@@ -936,30 +936,7 @@ async fn a_kueue_job_is_stopped_through_its_workload_not_suspended() -> Result<(
     let cluster = Cluster::shared()?;
     let scope = TestScope::new(cluster, "reclaim-kueue")?;
     let client = cluster.client().await?;
-    let crd = r#"apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata:
-  name: workloads.kueue.x-k8s.io
-spec:
-  group: kueue.x-k8s.io
-  names: {kind: Workload, listKind: WorkloadList, plural: workloads, singular: workload}
-  scope: Namespaced
-  versions:
-    - name: v1beta1
-      served: true
-      storage: true
-      schema:
-        openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}
-"#;
-    cluster
-        .kubectl()
-        .run_with_stdin(["apply", "-f", "-"], Some(crd))?;
-    cluster.kubectl().run([
-        "wait",
-        "--for=condition=Established",
-        "--timeout=60s",
-        "crd/workloads.kueue.x-k8s.io",
-    ])?;
+    gpupool_e2e::kueue::install_workload_crd(cluster)?;
     let (node, pool, op) = setup(cluster, &scope, &client, json!({})).await?;
     let ns = scope.namespace();
     let pod = running_labelled_job_pod(
@@ -973,13 +950,7 @@ spec:
     let job = Api::<Job>::namespaced(client.clone(), ns)
         .get("queued")
         .await?;
-    let resource = kube::discovery::ApiResource {
-        group: "kueue.x-k8s.io".into(),
-        version: "v1beta1".into(),
-        api_version: "kueue.x-k8s.io/v1beta1".into(),
-        kind: "Workload".into(),
-        plural: "workloads".into(),
-    };
+    let resource = gpupool_e2e::kueue::workload_resource();
     let workloads: Api<kube::api::DynamicObject> =
         Api::namespaced_with(client.clone(), ns, &resource);
     let workload: kube::api::DynamicObject = serde_json::from_value(json!({
