@@ -2,6 +2,7 @@
 //! the kernel log), CDI spec generation, MIG partitioning, utilization sampling, GpuNode status
 //! reporting and the kubelet device-plugin servers.
 pub mod agent;
+pub mod attribution;
 pub mod backend;
 pub mod cdi;
 pub mod inventory;

@@ -7,7 +7,6 @@
 //! whose activity cannot be observed is `Unknown`, which is never idle.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use gpupool_crds::node::{Activity, Idleness, PodRef};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -117,7 +116,7 @@ pub fn sample_shares(
     backend: &dyn GpuBackend,
     inventory: &Inventory,
     held: &BTreeMap<String, Vec<String>>,
-    proc_root: &Path,
+    attribution: &crate::attribution::Attribution,
     threshold: u32,
 ) -> BTreeMap<String, Activity> {
     let mut out = BTreeMap::new();
@@ -134,7 +133,7 @@ pub fn sample_shares(
                     replicas,
                     &pids,
                     used.as_deref(),
-                    |pid| share_ids(proc_root, pid),
+                    |pid| attribution.owner(pid),
                     threshold,
                 )
             }
@@ -146,25 +145,6 @@ pub fn sample_shares(
         out.extend(activity);
     }
     out
-}
-
-/// The share IDs (replica kubelet IDs) a process was given, from the environment `Allocate`
-/// set for its container (`GPUPOOL_SHARE_ID`), read at `<proc_root>/<pid>/environ`. `None` when
-/// it cannot be read or names none: whose process it is cannot be told.
-pub fn share_ids(proc_root: &Path, pid: u32) -> Option<Vec<String>> {
-    let environ = std::fs::read(proc_root.join(pid.to_string()).join("environ")).ok()?;
-    let prefix = format!("{}=", crate::plugin::allocate::SHARE_ID_ENV);
-    environ
-        .split(|b| *b == 0)
-        .filter_map(|kv| std::str::from_utf8(kv).ok())
-        .find_map(|kv| kv.strip_prefix(prefix.as_str()))
-        .map(|ids| {
-            ids.split(',')
-                .filter(|s| !s.is_empty())
-                .map(str::to_owned)
-                .collect()
-        })
-        .filter(|ids: &Vec<String>| !ids.is_empty())
 }
 
 /// Each share (replica ID in `held`) of one shared GPU, judged on its own processes: busy when

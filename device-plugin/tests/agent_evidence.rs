@@ -313,6 +313,7 @@ async fn a_foreign_pid_namespace_fails_its_check_reports_unknown_and_holds_mig()
         let mut sampling = SamplingJob::new(
             PodSource::Kubelet(node.socket.clone()),
             PathBuf::from("/proc"),
+            PathBuf::from("/nonexistent/device-plugins"),
             1,
             Instant::now(),
         );

@@ -179,8 +179,9 @@ fn samples_whole_gpus_by_utilization_and_never_calls_unknown_idle() {
     );
 }
 
-/// Per-share idleness on a shared GPU: each pod judged on its own processes, told apart by the
-/// share IDs `Allocate` put in their environment (read from a fake `/proc`).
+/// Per-share idleness on a shared GPU: each pod judged on its own processes, told apart by
+/// their cgroups (a fake `/proc`) and the kubelet's device checkpoint, not by the share IDs in
+/// their environment, which a tenant can rewrite.
 #[test]
 fn shares_are_judged_on_their_own_processes() {
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/faults.yaml");
@@ -194,17 +195,53 @@ fn shares_are_judged_on_their_own_processes() {
     let held =
         std::collections::BTreeMap::from([(uuid.clone(), vec![share(0), share(1), share(2)])]);
     let proc = tempfile::tempdir().unwrap();
-    let environ = |pid: u32, env: &str| {
+    let plugins = tempfile::tempdir().unwrap();
+    let pod_uid = |n: u32| format!("00000000-0000-4000-8000-00000000000{n}");
+    // Pod n holds share n (the kubelet's checkpoint, NUMA-keyed as kubelets write it).
+    let entries: Vec<String> = (0..3)
+        .map(|n| {
+            format!(
+                r#"{{"PodUID":"{}","ContainerName":"main","ResourceName":"nvidia.com/gpu","DeviceIDs":{{"-1":["{}"]}},"AllocResp":""}}"#,
+                pod_uid(n),
+                share(n)
+            )
+        })
+        .collect();
+    std::fs::write(
+        plugins
+            .path()
+            .join(gpupool_device_plugin::attribution::CHECKPOINT_FILE),
+        format!(
+            r#"{{"Data":{{"PodDeviceEntries":[{}],"RegisteredDevices":{{}}}},"Checksum":0}}"#,
+            entries.join(",")
+        ),
+    )
+    .unwrap();
+    // Each process in its pod's cgroup; each declares some share in its environment, which
+    // counts for nothing.
+    let process = |pid: u32, pod: Option<u32>, env: &str| {
         let dir = proc.path().join(pid.to_string());
         std::fs::create_dir_all(&dir).unwrap();
+        let cgroup = match pod {
+            Some(n) => format!(
+                "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-1.scope\n",
+                pod_uid(n).replace('-', "_")
+            ),
+            None => "0::/system.slice/some.service\n".to_owned(),
+        };
+        std::fs::write(dir.join("cgroup"), cgroup).unwrap();
         std::fs::write(dir.join("environ"), env).unwrap();
     };
-    environ(
+    let attribution =
+        || gpupool_device_plugin::attribution::Attribution::read(proc.path(), plugins.path());
+    // The busy process claims pod 1's share as well as its own: it still counts as pod 0's.
+    process(
         3001,
-        &format!("PATH=/bin\0GPUPOOL_SHARE_ID={}\0HOME=/\0", share(0)),
+        Some(0),
+        &format!("GPUPOOL_SHARE_ID={},{}\0", share(0), share(1)),
     );
-    environ(3002, &format!("GPUPOOL_SHARE_ID={}\0", share(1)));
-    let act = utilization::sample_shares(&backend, &inv, &held, proc.path(), 5);
+    process(3002, Some(1), &format!("GPUPOOL_SHARE_ID={}\0", share(1)));
+    let act = utilization::sample_shares(&backend, &inv, &held, &attribution(), 5);
     assert_eq!(act[&share(0)], Activity::Busy, "its process works");
     assert_eq!(
         act[&share(1)],
@@ -215,19 +252,25 @@ fn shares_are_judged_on_their_own_processes() {
     assert_eq!(act.len(), 3, "only the held shares");
     // Above its 30 %, the busy tenant counts as idle too.
     assert_eq!(
-        utilization::sample_shares(&backend, &inv, &held, proc.path(), 40)[&share(0)],
+        utilization::sample_shares(&backend, &inv, &held, &attribution(), 40)[&share(0)],
         Activity::Idle
     );
-    // The busy process's share cannot be read: nobody can be called idle.
-    std::fs::remove_file(proc.path().join("3001/environ")).unwrap();
-    let act = utilization::sample_shares(&backend, &inv, &held, proc.path(), 5);
+    // The busy process is in no pod (or its cgroup cannot be read), whatever its environment
+    // says: whose it is cannot be told, so nobody can be called idle.
+    process(3001, None, &format!("GPUPOOL_SHARE_ID={}\0", share(0)));
+    let act = utilization::sample_shares(&backend, &inv, &held, &attribution(), 5);
     assert!(act.values().all(|a| *a == Activity::Unknown), "{act:?}");
-    // An idle process without a share ID changes nothing.
-    environ(3001, &format!("GPUPOOL_SHARE_ID={}\0", share(0)));
-    std::fs::remove_file(proc.path().join("3002/environ")).unwrap();
-    let act = utilization::sample_shares(&backend, &inv, &held, proc.path(), 5);
-    assert_eq!(
-        (act[&share(0)], act[&share(1)]),
-        (Activity::Busy, Activity::Idle)
-    );
+    std::fs::remove_file(proc.path().join("3001/cgroup")).unwrap();
+    let act = utilization::sample_shares(&backend, &inv, &held, &attribution(), 5);
+    assert!(act.values().all(|a| *a == Activity::Unknown), "{act:?}");
+    // Without the kubelet's checkpoint no process can be attributed either.
+    process(3001, Some(0), "");
+    std::fs::remove_file(
+        plugins
+            .path()
+            .join(gpupool_device_plugin::attribution::CHECKPOINT_FILE),
+    )
+    .unwrap();
+    let act = utilization::sample_shares(&backend, &inv, &held, &attribution(), 5);
+    assert!(act.values().all(|a| *a == Activity::Unknown), "{act:?}");
 }

@@ -140,11 +140,33 @@ enum Backend {
 }
 
 impl Agent {
+    /// An agent told its driver root (`--driver-root`, the admin's own, trusted as it is).
     fn start(
         cluster: &Cluster,
         host: &NodeHost,
         backend: Backend,
         extra: &[&str],
+    ) -> Result<Agent> {
+        Agent::spawn(cluster, host, backend, extra, true)
+    }
+
+    /// An agent that takes its driver root from the GpuNode, as far as `extra`'s
+    /// `--allowed-driver-roots` lets it.
+    fn start_on_the_gpunodes_root(
+        cluster: &Cluster,
+        host: &NodeHost,
+        backend: Backend,
+        extra: &[&str],
+    ) -> Result<Agent> {
+        Agent::spawn(cluster, host, backend, extra, false)
+    }
+
+    fn spawn(
+        cluster: &Cluster,
+        host: &NodeHost,
+        backend: Backend,
+        extra: &[&str],
+        configured_root: bool,
     ) -> Result<Agent> {
         let bins = binaries()?;
         let n = fs::read_dir(&host.dir)?.count();
@@ -156,10 +178,11 @@ impl Agent {
             .arg("--kubelet-dir")
             .arg(&host.kubelet)
             .arg("--cdi-dir")
-            .arg(&host.cdi)
-            .arg("--driver-root")
-            .arg(&host.driver_root)
-            .arg("--proc-root")
+            .arg(&host.cdi);
+        if configured_root {
+            cmd.arg("--driver-root").arg(&host.driver_root);
+        }
+        cmd.arg("--proc-root")
             .arg(host.driver_root.join("proc"))
             .arg("--kmsg-path")
             .arg(&host.kmsg)
@@ -746,6 +769,125 @@ async fn agent_validates_writes_cdi_tracks_idleness_and_stays_quiet() -> Result<
         "{labels:?}"
     );
     again.terminate().await?;
+    Ok(())
+}
+
+/// The node decides which driver root it trusts (docs/security.md): an agent taking its root
+/// from the GpuNode uses it only while its `--allowed-driver-roots` lists it and no component
+/// on the way is a symbolic link. A refused root fails the DriverRootTrusted check naming the
+/// rule, with a Warning Event; the node keeps the root it last trusted: the CDI spec stays as
+/// it was and the plugin keeps serving. Back on a trusted root, the check passes again.
+#[tokio::test]
+async fn a_driver_root_the_node_does_not_trust_is_refused_and_the_node_keeps_serving() -> Result<()>
+{
+    let cluster = Cluster::shared()?;
+    crds::install(cluster).await?;
+    let client = cluster.client().await?;
+    let scope = TestScope::new(cluster, "agent-trust")?;
+    let node = kwok_node(&client, 1).await?;
+    let fixture = format!(
+        "node: {}\ndevice_nodes: ignored\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\n",
+        scope.prefix()
+    );
+    let host = NodeHost::new(&scope, &node, &fixture, 2)?;
+    let root = host.driver_root.display().to_string();
+    let link = host.dir.join("driver-link");
+    std::os::unix::fs::symlink(&host.driver_root, &link)?;
+    let link = link.display().to_string();
+    let mut spec = base_spec(scope.prefix());
+    Arc::make_mut(&mut spec.cdi).driver_root = root.clone();
+    fresh_gpunode(&client, &scope, &node, spec).await?;
+    let allowed = format!("--allowed-driver-roots={root},{link}");
+    let mut agent =
+        Agent::start_on_the_gpunodes_root(cluster, &host, Backend::Sim, &[allowed.as_str()])?;
+    let trusted = |s: &gpupool_crds::node::GpuNodeStatus| {
+        s.checks
+            .iter()
+            .find(|c| c.name == CheckName::DriverRootTrusted)
+            .cloned()
+    };
+    wait_status(
+        &client,
+        &node,
+        "the GpuNode's root trusted",
+        Duration::from_secs(60),
+        |s| s.validated == Some(Verdict::True) && trusted(s).is_some_and(|c| c.passed),
+    )
+    .await
+    .with_context(|| agent.log_text())?;
+    let spec_before = fs::read_to_string(host.spec_file())
+        .with_context(|| format!("no CDI spec written from {root}"))?;
+    let canonical = fs::canonicalize(&host.driver_root)?;
+    ensure!(
+        spec_before.contains(&canonical.display().to_string()),
+        "the spec names the root's files"
+    );
+
+    let api: Api<GpuNode> = Api::all(client.clone());
+    for (asked, refusal) in [
+        (
+            "/tmp".to_owned(),
+            format!("driver root /tmp is refused: this node trusts only {root}, {link}"),
+        ),
+        (
+            link.clone(),
+            format!("driver root {link} is refused: {link} is a symbolic link"),
+        ),
+    ] {
+        let patch = serde_json::json!({"spec": {"cdi": {"driverRoot": asked}}});
+        api.patch(&node, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+        let gn = wait_status(
+            &client,
+            &node,
+            "the root refused",
+            Duration::from_secs(30),
+            |s| trusted(s).is_some_and(|c| !c.passed && c.message.contains(&refusal)),
+        )
+        .await
+        .with_context(|| agent.log_text())?;
+        let status = gn.status.unwrap_or_default();
+        let check = trusted(&status).context("no DriverRootTrusted check")?;
+        ensure!(
+            check
+                .message
+                .contains(&format!("still using {root}, the last trusted root")),
+            "{}",
+            check.message
+        );
+        ensure!(status.validated == Some(Verdict::False));
+        ensure!(
+            fs::read_to_string(host.spec_file())? == spec_before,
+            "the CDI spec changed under a refused root"
+        );
+        ensure!(
+            host.socket("nvidia.com/gpu").exists(),
+            "the plugin stopped serving"
+        );
+        ensure!(agent.is_running(), "{}", agent.log_text());
+    }
+    let event = wait_event(&client, &node, "ValidationFailed").await?;
+    ensure!(event.type_.as_deref() == Some("Warning"));
+    ensure!(
+        event
+            .message
+            .unwrap_or_default()
+            .contains("DriverRootTrusted"),
+        "the Event names the check"
+    );
+
+    let patch = serde_json::json!({"spec": {"cdi": {"driverRoot": root}}});
+    api.patch(&node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    wait_status(
+        &client,
+        &node,
+        "trusted again",
+        Duration::from_secs(30),
+        |s| s.validated == Some(Verdict::True) && trusted(s).is_some_and(|c| c.passed),
+    )
+    .await
+    .with_context(|| agent.log_text())?;
     Ok(())
 }
 

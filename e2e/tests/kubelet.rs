@@ -369,10 +369,12 @@ async fn time_slicing(
 }
 
 /// Per-share idleness on time-sliced GPU 1: the first pod's container runs a busy process (80 %
-/// SM), the second's an idle one; they are told apart by the share IDs `Allocate` put in their
-/// environment (the fake `/proc` the agent reads holds it). GpuNode status reports the first
-/// share busy and the second and third idle while the GPU as a whole is busy, which is what
-/// lets the reclaimer take one idle tenant and leave its working neighbour.
+/// SM), the second's an idle one; they are told apart by their pods' cgroups (in the fake
+/// `/proc` the agent reads) and the real kubelet's device checkpoint, not by the share IDs in
+/// their environment: the busy process claims its idle neighbour's share too, and that changes
+/// nothing. GpuNode status reports the first share busy and the second and third idle while
+/// the GPU as a whole is busy, which is what lets the reclaimer take one idle tenant and leave
+/// its working neighbour.
 async fn per_share_idleness(
     client: &Client,
     kubelet: &RealKubelet,
@@ -390,12 +392,21 @@ async fn per_share_idleness(
             .with_context(|| format!("{name}: no GPUPOOL_SHARE_ID in {creates:?}"))
     };
     let (busy_share, idle_share) = (share_of(&names[0])?, share_of(&names[1])?);
-    for (pid, share) in [(7001, &busy_share), (7002, &idle_share)] {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), scope.namespace());
+    for (pid, name, declared) in [
+        (7001, &names[0], format!("{busy_share},{idle_share}")),
+        (7002, &names[1], idle_share.clone()),
+    ] {
+        let uid = pods.get(name).await?.metadata.uid.unwrap_or_default();
         let dir = driver_root.join("proc").join(pid.to_string());
         fs::create_dir_all(&dir)?;
         fs::write(
+            dir.join("cgroup"),
+            format!("0::/kubepods/besteffort/pod{uid}/0123456789abcdef\n"),
+        )?;
+        fs::write(
             dir.join("environ"),
-            format!("PATH=/bin\0GPUPOOL_SHARE_ID={share}\0"),
+            format!("PATH=/bin\0GPUPOOL_SHARE_ID={declared}\0"),
         )?;
     }
     agent.update_nvml_state(|state| {

@@ -103,6 +103,7 @@ impl NodeState {
             sampling: SamplingJob::new(
                 config.pod_source.clone(),
                 config.proc_root.clone(),
+                config.kubelet_dir.join("device-plugins"),
                 config.idle_samples,
                 now,
             ),

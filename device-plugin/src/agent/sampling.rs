@@ -23,8 +23,11 @@ const MIN_INTERVAL: Duration = Duration::from_millis(200);
 /// Samples, idleness and the pods holding each device.
 pub struct SamplingJob {
     pods_from: PodSource,
-    /// Where the host's `/proc` is (the environment of the processes on shared GPUs).
+    /// Where the host's `/proc` is (the cgroups of the processes on shared GPUs).
     proc_root: PathBuf,
+    /// The kubelet's device-plugin directory, which holds its device checkpoint (pod UID →
+    /// device IDs): with the cgroups, whose process holds which share.
+    device_plugins_dir: PathBuf,
     next: Instant,
     /// Idleness per device, with hysteresis.
     pub idle: IdleTracker,
@@ -43,12 +46,14 @@ impl SamplingJob {
     pub fn new(
         pods_from: PodSource,
         proc_root: PathBuf,
+        device_plugins_dir: PathBuf,
         idle_samples: u32,
         now: Instant,
     ) -> SamplingJob {
         SamplingJob {
             pods_from,
             proc_root,
+            device_plugins_dir,
             next: now,
             idle: IdleTracker::new(idle_samples),
             samples: BTreeMap::new(),
@@ -118,10 +123,15 @@ impl SamplingJob {
         }
         let inv2 = inv.clone();
         let proc_root = self.proc_root.clone();
+        let device_plugins_dir = self.device_plugins_dir.clone();
         let (samples, shares) = blocking(backend, move |b| {
+            let attribution = (!held.is_empty())
+                .then(|| crate::attribution::Attribution::read(&proc_root, &device_plugins_dir));
             (
                 utilization::sample(b, &inv2, threshold),
-                utilization::sample_shares(b, &inv2, &held, &proc_root, threshold),
+                attribution
+                    .map(|a| utilization::sample_shares(b, &inv2, &held, &a, threshold))
+                    .unwrap_or_default(),
             )
         })
         .await
