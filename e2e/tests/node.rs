@@ -594,7 +594,10 @@ async fn installed_chart_works(
 /// daemon (the fake driver's, chrooted into the host's `/` in its own mount namespace); both
 /// clients' containers, started by runc through the chart's agent, see GPU 1's device node and
 /// NVML lists GPU 1 and no other, the daemon's control pipe in `$CUDA_MPS_PIPE_DIRECTORY`, the daemon's
-/// shared memory at `/dev/shm` (the file the daemon left there), and the pool's limits.
+/// shared memory at `/dev/shm` (the file the daemon left there), and the pool's limits; neither
+/// sees the MPS control program nor the driver root's `/tmp/nvidia-mps` (a tenant could stop or
+/// reconfigure the daemon with the one, plant a socket through the other), and the GpuNode
+/// says what MPS isolates: `Memory (tenants trusted)`.
 #[allow(clippy::too_many_arguments)]
 async fn mps_on_the_node(
     client: &Client,
@@ -631,7 +634,9 @@ async fn mps_on_the_node(
          && if [ -p \"$CUDA_MPS_PIPE_DIRECTORY/control\" ]; then echo mps_pipe=ok; else echo mps_pipe=missing; fi \
          && if [ -e /dev/shm/gpupool-fake-mps ]; then echo mps_shm=ok; else echo mps_shm=missing; fi \
          && echo mps_limit=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT \
-         && echo mps_threads=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+         && echo mps_threads=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE \
+         && if [ -e /usr/bin/nvidia-cuda-mps-control ]; then echo mps_control=visible; else echo mps_control=absent; fi \
+         && if [ -e /tmp/nvidia-mps ]; then echo host_mps_dir=visible; else echo host_mps_dir=absent; fi",
     ];
     let mut whole = control_nodes();
     whole.insert("/dev/nvidia1".into(), "195:1".into());
@@ -660,6 +665,8 @@ async fn mps_on_the_node(
             ("mps_shm", "ok"),
             ("mps_limit", "0=8192M"),
             ("mps_threads", "50"),
+            ("mps_control", "absent"),
+            ("host_mps_dir", "absent"),
         ] {
             ensure!(
                 probe.one(key)? == want,
@@ -669,8 +676,19 @@ async fn mps_on_the_node(
         }
         delete_pod_and_wait(client, scope, &name).await?;
     }
+    let gpunode = Api::<GpuNode>::all(client.clone()).get(node).await?;
+    let sharing = gpunode
+        .status
+        .as_ref()
+        .and_then(|s| s.gpus.get(1))
+        .and_then(|g| g.sharing.clone())
+        .context("GPU 1 not shared in the GpuNode status")?;
+    ensure!(
+        sharing.mode == "MPS" && sharing.isolation == "Memory (tenants trusted)",
+        "GPU 1 sharing in status: {sharing:?}"
+    );
     eprintln!(
-        "e2e: two MPS clients on the real node: GPU {uuid} only, the daemon's pipe and shm, the limits"
+        "e2e: two MPS clients on the real node: GPU {uuid} only, the daemon's pipe and shm, the limits, no control program"
     );
     Ok(())
 }
