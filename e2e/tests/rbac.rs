@@ -595,6 +595,25 @@ async fn operator_and_agent_work_as_the_charts_service_accounts() -> Result<()> 
         "{}",
         run.stderr
     );
+    // Nor give a GpuNode another owner (the garbage collector would delete it with that one).
+    let run = as_operator.try_run(
+        [
+            "patch",
+            "gpunode",
+            &node,
+            "--type=merge",
+            "-p",
+            r#"{"metadata":{"ownerReferences":[{"apiVersion":"v1","kind":"ConfigMap","name":"gone","uid":"00000000-0000-0000-0000-000000000002"}]}}"#,
+        ],
+        None,
+    )?;
+    ensure!(!run.success, "the operator's token gave a GpuNode a foreign owner");
+    assert!(
+        run.stderr
+            .contains("the gpupool operator may give a GpuNode no owner but its pool"),
+        "{}",
+        run.stderr
+    );
     // A Kueue Workload it may only deactivate.
     gpupool_e2e::kueue::install_workload_crd(cluster)?;
     let workload = scope.name("wl");
