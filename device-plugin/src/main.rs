@@ -186,13 +186,10 @@ fn open_backend(cli: &Cli) -> Result<Arc<dyn GpuBackend>, String> {
     }
 }
 
-/// Driver roots where NVML is looked for when `--driver-root` does not say: a containerized
-/// driver's, then a driver installed on the host.
-const NVML_ROOTS: [&str; 2] = ["/run/nvidia/driver", "/"];
-
 /// The NVML library to load: `--nvml-lib`, else (with `--host-root`) the driver root's, by
 /// full path, so that it is never looked for on the image's own loader path. The driver root
-/// is `--driver-root`, else the first of [`NVML_ROOTS`] that holds NVML.
+/// is `--driver-root`, else the first of the node's trusted roots (`--allowed-driver-roots`,
+/// `/` last: a containerized driver before one on the host) that holds NVML.
 fn nvml_library(cli: &Cli) -> Result<Option<PathBuf>, String> {
     if let Some(lib) = &cli.nvml_lib {
         return Ok(Some(lib.clone()));
@@ -202,7 +199,12 @@ fn nvml_library(cli: &Cli) -> Result<Option<PathBuf>, String> {
     };
     let candidates: Vec<PathBuf> = match &cli.driver_root {
         Some(root) => vec![root.clone()],
-        None => NVML_ROOTS.iter().map(PathBuf::from).collect(),
+        None => cli
+            .allowed_driver_roots
+            .containerized_first()
+            .filter_map(|r| cli.allowed_driver_roots.check(r, Some(host_root)).ok())
+            .map(|r| r.path().to_path_buf())
+            .collect(),
     };
     let mut looked = Vec::new();
     for driver_root in &candidates {

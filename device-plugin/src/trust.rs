@@ -103,6 +103,13 @@ impl AllowedRoots {
         Ok(AllowedRoots(roots))
     }
 
+    /// The allowed roots, `/` (a driver installed on the host) last.
+    pub fn containerized_first(&self) -> impl Iterator<Item = &str> {
+        let (host, others): (Vec<&String>, Vec<&String>) =
+            self.0.iter().partition(|r| r.as_str() == "/");
+        others.into_iter().chain(host).map(String::as_str)
+    }
+
     /// Whether `root` (from the API, host terms) may be used: plain, on the list, and with no
     /// component a symbolic link, read under `host_root` (where the host's `/` is mounted here;
     /// `None`: it is ours). A component that does not exist ends the walk: nothing can be read
@@ -273,6 +280,10 @@ mod tests {
             assert!(err.contains(refusal), "{root}: {err}");
             assert!(err.contains("refused"), "{root}: {err}");
         }
+        assert_eq!(
+            allowed.containerized_first().collect::<Vec<_>>(),
+            ["/run/nvidia/driver", "/"]
+        );
         let custom = AllowedRoots::parse("/opt/nvidia, /").unwrap();
         assert!(custom.check("/opt/nvidia", host).is_ok());
         assert!(custom.check("/run/nvidia/driver", host).is_err());

@@ -32,7 +32,11 @@
 //!    accounts; the agent pod registers and writes the spec, the operator takes the lease and
 //!    makes a pool of this node Ready; `helm test`'s pod starts through the agent pod, finds
 //!    the GPU's device node, and NVML (the spec's `nvidia-smi -L`) lists that GPU and no other;
-//!    `helm uninstall` (its pre-delete hook a container too) leaves no `gpupool.io/` label.
+//!    two MPS clients get GPU 1's daemon but neither its control program nor `/tmp/nvidia-mps`;
+//!    the agent takes its driver root from the pool as far as the node trusts it (`/tmp` is
+//!    refused by the operator's admission policy, a symlinked root by the agent, which keeps
+//!    its spec and serves a new pod); `helm uninstall` (its pre-delete hook a container too)
+//!    leaves no `gpupool.io/` label.
 //!
 //! Opt-in with the rest of the real-kubelet layer (`GPUPOOL_E2E_KUBELET=1`); `e2e/kubelet check`
 //! with the containerd runtime says why it cannot run otherwise.
@@ -376,6 +380,18 @@ async fn chart_on_node(
     .map(|(k, v)| (k.to_owned(), v))
     .collect();
     sets.extend(host.chart_agent_values(kubelet)?);
+    // The agent takes its driver root from the pool (through its GpuNode), as far as the node
+    // trusts it: the fake root, and a symbolic link to it that the node must refuse.
+    let driver_root = host.driver_root.display().to_string();
+    let link = host.dir.join("driver-link");
+    let _ = fs::remove_file(&link);
+    std::os::unix::fs::symlink(&host.driver_root, &link)?;
+    let link = link.display().to_string();
+    sets.push(("agent.hostPaths.driverRoot".into(), json!("")));
+    sets.push((
+        "agent.allowedDriverRoots".into(),
+        json!([driver_root.clone(), link.clone()]),
+    ));
     let chart = repo_root().join("charts/gpupool").display().to_string();
     let set_json: Vec<String> = sets.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let mut args = vec!["install", release.as_str(), chart.as_str()];
@@ -385,7 +401,17 @@ async fn chart_on_node(
     helm_in(cluster, scope.namespace(), &args)?;
 
     let installed = installed_chart_works(
-        cluster, client, kubelet, scope, &release, &agent_ns, &node, &spec_path, uuid, fake_dir,
+        cluster,
+        client,
+        kubelet,
+        scope,
+        &release,
+        &agent_ns,
+        &node,
+        &spec_path,
+        uuid,
+        fake_dir,
+        (&driver_root, &link),
     )
     .await;
     let report = if installed.is_err() {
@@ -448,9 +474,10 @@ async fn installed_chart_works(
     spec_path: &Path,
     uuid: &str,
     fake_dir: &Path,
+    (driver_root, link): (&str, &str),
 ) -> Result<()> {
-    // A pool of this node, with the MIG layout the node already has: the operator hands the
-    // node its GpuNode, which the agent waits for.
+    // A pool of this node, with the MIG layout the node already has and the driver root it
+    // trusts: the operator hands the node its GpuNode, which the agent waits for.
     let (k, v) = scope.label();
     let pool_name = scope.name("pool");
     let pool: GpuPool = serde_json::from_value(json!({
@@ -460,6 +487,7 @@ async fn installed_chart_works(
         "spec": {
             "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": node}},
             "driver": {"minVersion": "550"},
+            "cdi": {"driverRoot": driver_root},
             "mig": {"strategy": "mixed", "layout": {"custom": [
                 {"gpus": [0], "enabled": true, "profiles": {"1g.10gb": 3}},
             ]}},
@@ -587,7 +615,131 @@ async fn installed_chart_works(
     mps_on_the_node(
         client, kubelet, scope, &pools, &pool_name, node, fake_dir, uuid,
     )
+    .await?;
+    trust_on_the_node(
+        client,
+        kubelet,
+        scope,
+        &pools,
+        &pool_name,
+        node,
+        spec_path,
+        fake_dir,
+        (driver_root, link),
+    )
     .await
+}
+
+/// The node decides which driver root it trusts (docs/security.md), on the real node with the
+/// chart's agent pod: a pool naming `/tmp` gets no GpuNode with it (the operator's admission
+/// policy refuses the write, and the pool's APIErrors says so); a pool naming a root the node
+/// lists but reaches through a symbolic link is refused by the agent itself (its
+/// DriverRootTrusted check names the rule), which keeps the spec it wrote and keeps serving: a
+/// new GPU pod starts. Back on the real root, the check passes again.
+#[allow(clippy::too_many_arguments)]
+async fn trust_on_the_node(
+    client: &Client,
+    kubelet: &RealKubelet,
+    scope: &TestScope,
+    pools: &Api<GpuPool>,
+    pool_name: &str,
+    node: &str,
+    spec_path: &Path,
+    fake_dir: &Path,
+    (driver_root, link): (&str, &str),
+) -> Result<()> {
+    let spec_before = fs::read_to_string(spec_path)?;
+    let set_root = |root: &str| {
+        let patch = json!({"spec": {"cdi": {"driverRoot": root}}});
+        let pools = pools.clone();
+        let pool_name = pool_name.to_owned();
+        async move {
+            pools
+                .patch(
+                    &pool_name,
+                    &kube::api::PatchParams::default(),
+                    &kube::api::Patch::Merge(&patch),
+                )
+                .await
+        }
+    };
+    let gpunodes: Api<GpuNode> = Api::all(client.clone());
+    set_root("/tmp").await?;
+    poll(
+        "the operator's GpuNode write with /tmp refused, in the pool's APIErrors",
+        Duration::from_secs(60),
+        Duration::from_millis(500),
+        || async {
+            let p = pools.get(pool_name).await?;
+            Ok(p.status
+                .as_ref()
+                .and_then(|s| s.conditions.iter().find(|c| c.type_ == "APIErrors"))
+                .filter(|c| {
+                    c.status == "True"
+                        && c.message.contains("may not give GpuNode")
+                        && c.message.contains("/tmp")
+                })
+                .map(|_| ()))
+        },
+    )
+    .await?;
+    let gn = gpunodes.get(node).await?;
+    ensure!(
+        gn.spec.cdi.driver_root == driver_root,
+        "the GpuNode's root changed to {}",
+        gn.spec.cdi.driver_root
+    );
+
+    set_root(link).await?;
+    let refusal = format!("driver root {link} is refused: {link} is a symbolic link");
+    let trusted = |s: &gpupool_crds::node::GpuNodeStatus| {
+        s.checks
+            .iter()
+            .find(|c| c.name == gpupool_crds::node::CheckName::DriverRootTrusted)
+            .cloned()
+    };
+    wait_status(
+        client,
+        node,
+        "the symlinked root refused by the agent pod",
+        Duration::from_secs(60),
+        |s| trusted(s).is_some_and(|c| !c.passed && c.message.contains(&refusal)),
+    )
+    .await?;
+    ensure!(
+        fs::read_to_string(spec_path)? == spec_before,
+        "the CDI spec changed under a refused root"
+    );
+    let name = scope.name("after-refusal");
+    let pod = probe_pod(
+        scope,
+        &name,
+        node,
+        PROBE_IMAGE,
+        &["/probe"],
+        Some(GPU),
+        fake_dir,
+        false,
+    )?;
+    run_probe(client, scope, kubelet, &pod)
+        .await
+        .context("a GPU pod after the refusal")?;
+    delete_pod_and_wait(client, scope, &name).await?;
+
+    set_root(driver_root).await?;
+    wait_status(
+        client,
+        node,
+        "the real root trusted again",
+        Duration::from_secs(60),
+        |s| trusted(s).is_some_and(|c| c.passed),
+    )
+    .await?;
+    eprintln!(
+        "e2e: trust on the real node: /tmp refused by admission, a symlinked root by the agent, \
+         which kept its spec and served a new pod"
+    );
+    Ok(())
 }
 
 /// MPS on the real node: GPU 1 shared by two MPS clients. The agent pod runs the GPU's control

@@ -607,7 +607,10 @@ async fn operator_and_agent_work_as_the_charts_service_accounts() -> Result<()> 
         ],
         None,
     )?;
-    ensure!(!run.success, "the operator's token gave a GpuNode a foreign owner");
+    ensure!(
+        !run.success,
+        "the operator's token gave a GpuNode a foreign owner"
+    );
     assert!(
         run.stderr
             .contains("the gpupool operator may give a GpuNode no owner but its pool"),
