@@ -210,10 +210,10 @@ pub struct CdiPolicy {
     // rules below (and the agents' list of trusted roots) cannot be passed by `//proc` or
     // `/./proc`.
     #[x_kube(validation = kube::core::Rule::new(
-        "!self.contains('//') && !self.split('/').exists(p, p == '.')"
+        "!self.contains('//') && !self.split('/').exists(p, p == '.') && (self == '/' || !self.endsWith('/'))"
     ).message(kube::core::Message::Message(
-        "cdi.driverRoot must be written without '//' or '.' components, e.g. /run/nvidia/driver \
-         (//proc and /./proc are /proc)".into()
+        "cdi.driverRoot must be written without '//' or '.' components and without a trailing \
+         '/', e.g. /run/nvidia/driver (//proc and /./proc are /proc)".into()
     )))]
     #[x_kube(validation = kube::core::Rule::new(
         "!['/proc', '/sys', '/dev', '/etc', '/var/lib/kubelet'].exists(p, self == p || self.startsWith(p + '/'))"

@@ -409,6 +409,13 @@ fn each_readme_goal_row_quotes_its_benchmarks_row() {
     // benchmarks: goal | target | current figure | runs | met? | command.
     for (ours, theirs) in readme.iter().zip(&page) {
         let goal = &ours[0];
+        let first_words = |s: &str| s.split_whitespace().take(2).collect::<Vec<_>>().join(" ");
+        assert_eq!(
+            first_words(goal),
+            first_words(&theirs[0]),
+            "the README's goal {goal:?} and the benchmarks page's {:?} are not the same goal",
+            theirs[0]
+        );
         assert_eq!(ours.len(), 5, "README row {goal}");
         assert_eq!(theirs.len(), 6, "benchmarks row {}", theirs[0]);
         assert!(

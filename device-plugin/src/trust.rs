@@ -78,13 +78,6 @@ impl fmt::Display for TrustedRoot {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AllowedRoots(Vec<String>);
 
-impl Default for AllowedRoots {
-    fn default() -> Self {
-        AllowedRoots::parse(DEFAULT_ALLOWED_DRIVER_ROOTS)
-            .unwrap_or_else(|_| AllowedRoots(vec!["/".into()]))
-    }
-}
-
 impl AllowedRoots {
     /// A comma-separated list of plain absolute paths.
     pub fn parse(list: &str) -> Result<AllowedRoots, Refusal> {
@@ -236,6 +229,32 @@ pub fn check_program(root: &Path, program: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// Whether `dir` (as this process reads it) is a directory of the agent's own: a real
+/// directory, not a symbolic link, owned by root or this process's user. What is mounted into
+/// tenants' containers (the MPS pipe and shared memory) comes only from such directories.
+pub fn check_own_dir(dir: &Path) -> Result<(), String> {
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if meta.file_type().is_symlink() {
+        return Err(format!(
+            "{} is a symbolic link, not a directory of the agent's",
+            dir.display()
+        ));
+    }
+    if !meta.is_dir() {
+        return Err(format!("{} is not a directory", dir.display()));
+    }
+    if meta.uid() != 0 && meta.uid() != me {
+        return Err(format!(
+            "{} is owned by uid {}, not by root or the agent",
+            dir.display(),
+            meta.uid()
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,7 +280,7 @@ mod tests {
 
     #[test]
     fn only_listed_plain_roots_are_trusted() {
-        let allowed = AllowedRoots::default();
+        let allowed = AllowedRoots::parse(DEFAULT_ALLOWED_DRIVER_ROOTS).unwrap();
         let tmp = tempfile::tempdir().unwrap();
         let host = Some(tmp.path());
         assert_eq!(allowed.check("/", host).unwrap().path(), Path::new("/"));
@@ -298,7 +317,8 @@ mod tests {
         std::fs::create_dir_all(host.join("var/lib/kubelet")).unwrap();
         std::fs::create_dir_all(host.join("run")).unwrap();
         symlink("../var/lib/kubelet", host.join("run/nvidia")).unwrap();
-        let err = AllowedRoots::default()
+        let err = AllowedRoots::parse(DEFAULT_ALLOWED_DRIVER_ROOTS)
+            .unwrap()
             .check("/run/nvidia/driver", Some(host))
             .unwrap_err();
         assert_eq!(
@@ -312,15 +332,45 @@ mod tests {
         std::fs::remove_file(host.join("run/nvidia")).unwrap();
         std::fs::create_dir_all(host.join("run/nvidia/driver")).unwrap();
         assert!(
-            AllowedRoots::default()
+            AllowedRoots::parse(DEFAULT_ALLOWED_DRIVER_ROOTS)
+                .unwrap()
                 .check("/run/nvidia/driver", Some(host))
                 .is_ok()
         );
     }
 
     #[test]
+    fn own_directories_are_real_directories_of_root_or_the_agent() {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = tmp.path().join("pipe");
+        std::fs::create_dir(&real).unwrap();
+        check_own_dir(&real).unwrap();
+        let link = tmp.path().join("link");
+        symlink(&real, &link).unwrap();
+        assert!(check_own_dir(&link).unwrap_err().contains("symbolic link"));
+        let file = tmp.path().join("file");
+        std::fs::write(&file, "").unwrap();
+        assert!(
+            check_own_dir(&file)
+                .unwrap_err()
+                .contains("not a directory")
+        );
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            std::os::unix::fs::chown(&real, Some(4321), None).unwrap();
+            assert!(
+                check_own_dir(&real)
+                    .unwrap_err()
+                    .contains("owned by uid 4321")
+            );
+        }
+    }
+
+    #[test]
     fn the_check_says_what_is_kept() {
-        let refused = AllowedRoots::default().check("/tmp/x", None);
+        let refused = AllowedRoots::parse(DEFAULT_ALLOWED_DRIVER_ROOTS)
+            .unwrap()
+            .check("/tmp/x", None);
         let kept = TrustedRoot::configured("/".into());
         let check = root_check(&refused, Some(&kept));
         assert!(!check.passed);

@@ -574,6 +574,64 @@ async fn operator_and_agent_work_as_the_charts_service_accounts() -> Result<()> 
             run.stderr
         );
     }
+    // Its own taint it may set, as it does (NoSchedule, no value), and take off again; not as
+    // NoExecute, which would evict every pod on the node that does not tolerate it.
+    for args in [
+        vec![
+            "taint",
+            "node",
+            other.as_str(),
+            "gpupool.io/driver-invalid:NoSchedule",
+        ],
+        vec![
+            "taint",
+            "node",
+            other.as_str(),
+            "gpupool.io/driver-invalid:NoSchedule-",
+        ],
+    ] {
+        let run = as_operator.try_run(args.clone(), None)?;
+        ensure!(run.success, "{args:?}: {}", run.stderr);
+    }
+    let run = as_operator.try_run(
+        [
+            "taint",
+            "node",
+            &other,
+            "gpupool.io/driver-invalid:NoExecute",
+        ],
+        None,
+    )?;
+    ensure!(
+        !run.success,
+        "the operator's token put a NoExecute taint on a node"
+    );
+    assert!(
+        run.stderr
+            .contains("the gpupool operator may change only a Node's gpupool.io/pool label"),
+        "{}",
+        run.stderr
+    );
+    // A GpuPool is its owner's: the operator may not rewrite one (it only manages its
+    // finalizer, which it did above to get the pool Ready).
+    let run = as_operator.try_run(
+        [
+            "patch",
+            "gpupool",
+            &pool,
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"reclaim":{"mode":"Enforce","allowPodOptOut":false}}}"#,
+        ],
+        None,
+    )?;
+    ensure!(!run.success, "the operator's token rewrote a pool's spec");
+    assert!(
+        run.stderr
+            .contains("the gpupool operator may only add or remove its finalizer"),
+        "{}",
+        run.stderr
+    );
     // A GpuNode with a driver root the agents do not trust (the agent runs programs and
     // mounts libraries from it): refused, naming the roots they do.
     let run = as_operator.try_run(

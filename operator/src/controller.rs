@@ -492,6 +492,11 @@ fn keep_failures(results: Vec<(String, Result<()>)>, failures: &mut Failures) ->
 }
 
 async fn delete_gpunode(api: &Api<GpuNode>, name: &str, ctx: &Context) -> Result<()> {
+    // Taking a node out of its pool, decided on what this replica's caches say: only while it
+    // leads, as for every write that hands a node its state.
+    if !ctx.may_act() {
+        return Err(Error::NotLeading(format!("deleting GpuNode {name}")));
+    }
     match api.delete(name, &DeleteParams::default()).await {
         Ok(_) => {
             ctx.metrics.write("GpuNode", "delete");

@@ -1046,6 +1046,43 @@ async fn a_lost_lease_hands_no_node_a_new_desired_state() {
     );
 }
 
+/// A replica that lost its lease takes no node out of its pool either: the GpuNode of a node
+/// the selector no longer matches stays until whoever leads next deletes it.
+#[tokio::test]
+async fn a_lost_lease_deletes_no_gpunode() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let mut f = Fixture::new(Client::new(service, "default"));
+    let p = with_finalizer(pool("train", "2026-01-01T00:00:00Z", &[("team", "ml")]));
+    f.pool(&p);
+    // n1 no longer matches the pool's selector (nor carries its label), but still has the
+    // pool's GpuNode.
+    let mut node = gpu_node("n1", None, false);
+    node.metadata.labels.get_or_insert_default().remove("team");
+    f.node(&node);
+    f.gpunode(&ready_gpunode(&p, "n1"));
+    f.ctx.acting.cancel();
+    let answer = serde_json::to_value(&p).unwrap();
+    let expected = vec![
+        Expect {
+            answer: Some(answer),
+            ..expect(Method::PATCH, "/gpupools/train/status", |_| {})
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReadyFalse")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ConflictFalse")
+        }),
+    ];
+    let error = run_failing(f, &p, expected, handle).await;
+    assert!(
+        error
+            .to_string()
+            .contains("deleting GpuNode n1: not written, this replica no longer leads"),
+        "{error}"
+    );
+}
+
 /// An operator (re)started into a cluster whose agent last wrote two hours ago, "idle": the
 /// report is shown (Ready, with the node named as unconfirmed) but nothing is done on it, not
 /// even with the pod long past its deadline.

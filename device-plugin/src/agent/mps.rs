@@ -9,9 +9,10 @@
 //! the driver expects them. Once its control pipe is up the agent sends it the default limits:
 //! `set_default_active_thread_percentage <pct>` and `set_default_device_pinned_mem_limit 0
 //! <MiB>M` (device 0: the only one the daemon sees). A client container is given the pipe
-//! directory at `/run/gpupool/mps-pipe` (not MPS's default `/tmp/nvidia-mps`, where the CDI
-//! spec mounts the driver root's own pipe directory and would hide ours), the `shm` directory at `/dev/shm`, and the same limits as
-//! environment variables.
+//! directory at `/run/gpupool/mps-pipe` (not MPS's default `/tmp/nvidia-mps`, a host path
+//! anyone who can write the host's `/tmp` controls), the `shm` directory at `/dev/shm`, and the
+//! same limits as environment variables. Both come only from directories the agent created
+//! and owns ([`crate::trust::check_own_dir`]).
 //!
 //! A daemon that exits makes its GPU's replicas Unhealthy until a restart (with backoff, 2 s
 //! doubling to 5 min) is up again.
@@ -60,8 +61,8 @@ pub const CONTROL_BINARY: &str = "nvidia-cuda-mps-control";
 /// Where the control program is looked for under the driver root.
 const CONTROL_DIRS: [&str; 4] = ["usr/bin", "usr/local/bin", "bin", "usr/sbin"];
 /// The pipe directory as a client container sees it (`CUDA_MPS_PIPE_DIRECTORY` says so). Not
-/// MPS's default `/tmp/nvidia-mps`: the CDI spec mounts the driver root's there, after (and so
-/// over) the mounts `Allocate` asks for.
+/// MPS's default `/tmp/nvidia-mps`, which is where a hand-started daemon on the host would put
+/// its pipe.
 pub const CLIENT_PIPE_DIR: &str = "/run/gpupool/mps-pipe";
 /// The MPS root on the host by default.
 pub const DEFAULT_MPS_ROOT: &str = "/run/gpupool/mps";
@@ -1092,6 +1093,14 @@ fn start(
         std::fs::create_dir_all(&local)
             .map_err(|e| format!("creating {}: {e}", local.display()))?;
     }
+    // The pipe and shm are mounted into tenants' containers: only from directories of the
+    // agent's own, none of them (nor the way to them from the MPS root) a symbolic link that
+    // someone planted to point elsewhere on the host.
+    let gpu_dir = paths.root.join(&spec.uuid);
+    for dir in [&paths.root, &gpu_dir, &dirs.pipe, &dirs.log, &dirs.shm] {
+        crate::trust::check_own_dir(&paths.local(dir))
+            .map_err(|why| format!("MPS directory refused: {why}"))?;
+    }
     // A control pipe left by a daemon that was killed would look like a live one.
     let pipe = paths.local(&dirs.pipe.join(CONTROL_PIPE));
     match std::fs::remove_file(&pipe) {
@@ -1645,6 +1654,46 @@ mod tests {
             "a daemon was started from a writable program"
         );
         std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(
+            sync_until(&mut job, std::slice::from_ref(&spec), running).await,
+            "{:?}",
+            job.states()
+        );
+        job.stop_all().await;
+    }
+
+    /// A pipe directory someone replaced with a symbolic link (to the kubelet's pod directories,
+    /// say) is never handed to a daemon nor mounted into its clients: the GPU's MPS state says
+    /// why. Made a real directory again, the daemon starts.
+    #[tokio::test]
+    async fn a_symlinked_mps_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (paths, spec) = fake_node(dir.path());
+        let _kill = KillOnExit(paths.clone(), spec.uuid.clone());
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        let pipe = paths.local(&paths.gpu_dirs(&spec.uuid).pipe);
+        std::fs::create_dir_all(pipe.parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &pipe).unwrap();
+        let mut job = MpsJob::new(paths.clone());
+        for _ in 0..3 {
+            job.sync(std::slice::from_ref(&spec), Instant::now()).await;
+        }
+        let why = job
+            .states()
+            .get(&0)
+            .cloned()
+            .and_then(Result::err)
+            .unwrap_or_default();
+        assert!(
+            why.contains("MPS directory refused") && why.contains("is a symbolic link"),
+            "{why}"
+        );
+        assert!(
+            std::fs::read_dir(&elsewhere).unwrap().next().is_none(),
+            "nothing was put where the link points"
+        );
+        std::fs::remove_file(&pipe).unwrap();
         assert!(
             sync_until(&mut job, std::slice::from_ref(&spec), running).await,
             "{:?}",
