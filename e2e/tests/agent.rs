@@ -784,7 +784,26 @@ async fn a_driver_root_the_node_does_not_trust_is_refused_and_the_node_keeps_ser
     crds::install(cluster).await?;
     let client = cluster.client().await?;
     let scope = TestScope::new(cluster, "agent-trust")?;
-    let node = kwok_node(&client, 1).await?;
+    // A node of this test's own (the three shared fake nodes each belong to another test, whose
+    // Events and GpuNode this one must not touch), without the fake-node label those are
+    // counted by.
+    let node = scope.name("n0");
+    scope.track_kind("nodes");
+    let (k, v) = scope.label();
+    cluster.kubectl().run_with_stdin(
+        ["create", "-f", "-"],
+        Some(
+            &serde_json::json!({
+                "apiVersion": "v1", "kind": "Node",
+                "metadata": {
+                    "name": node,
+                    "annotations": {"node.alpha.kubernetes.io/ttl": "0", "kwok.x-k8s.io/node": "fake"},
+                    "labels": {k: v, "kubernetes.io/hostname": node, "type": "kwok"},
+                },
+            })
+            .to_string(),
+        ),
+    )?;
     let fixture = format!(
         "node: {}\ndevice_nodes: ignored\ndriver: {{version: \"{DRIVER}\", cuda: \"12.4\"}}\ngpus:\n  - model: H100-SXM5-80GB\n    count: 2\n",
         scope.prefix()
