@@ -123,4 +123,30 @@ impl Kubectl {
         }
         Ok(run.stdout)
     }
+
+    /// Runs kubectl and expects the API server to refuse the call with `message` (an admission
+    /// policy's, say): an error when the call goes through or is refused for another reason.
+    pub fn expect_refused<I, S>(&self, args: I, message: &str) -> Result<()>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let args: Vec<_> = args.into_iter().map(|a| a.as_ref().to_owned()).collect();
+        let shown = args
+            .iter()
+            .map(|a| a.to_string_lossy())
+            .collect::<Vec<_>>()
+            .join(" ");
+        let run = self.try_run(&args, None)?;
+        if run.success {
+            bail!("kubectl {shown} went through; it should have been refused with {message:?}");
+        }
+        if !run.stderr.contains(message) {
+            bail!(
+                "kubectl {shown} was refused, but not with {message:?}: {}",
+                run.stderr.trim()
+            );
+        }
+        Ok(())
+    }
 }

@@ -1010,6 +1010,38 @@ async fn a_lost_lease_stops_disruptive_writes_at_once() {
     }
 }
 
+/// A reconcile of `p` by a replica that lost its lease: only the pool status is written
+/// (checked by `check`), with its Ready and Conflict Events, and the reconcile fails naming
+/// `what` as not written.
+async fn run_without_lease(
+    f: Fixture,
+    p: &GpuPool,
+    handle: ApiHandle,
+    check: impl Fn(&Value) + Send + 'static,
+    what: &str,
+) {
+    f.ctx.acting.cancel();
+    let expected = vec![
+        Expect {
+            answer: Some(serde_json::to_value(p).unwrap()),
+            ..expect(Method::PATCH, "/gpupools/train/status", check)
+        },
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ReadyFalse")
+        }),
+        expect(Method::POST, "/events", |body| {
+            assert_eq!(body["reason"], "ConflictFalse")
+        }),
+    ];
+    let error = run_failing(f, p, expected, handle).await;
+    assert!(
+        error.to_string().contains(&format!(
+            "{what}: not written, this replica no longer leads"
+        )),
+        "{error}"
+    );
+}
+
 /// A replica that lost its lease hands no node a new desired state: a node the pool has just
 /// selected gets no GpuNode (which would carry a MIG layout and a sharing mode to drain for)
 /// and no pool label or fence. Only the pool status is written, and the reconcile fails, so
@@ -1021,29 +1053,14 @@ async fn a_lost_lease_hands_no_node_a_new_desired_state() {
     let p = with_finalizer(pool("train", "2026-01-01T00:00:00Z", &[("team", "ml")]));
     f.pool(&p);
     f.node(&gpu_node("n1", None, false));
-    f.ctx.acting.cancel();
-    let answer = serde_json::to_value(&p).unwrap();
-    let expected = vec![
-        Expect {
-            answer: Some(answer),
-            ..expect(Method::PATCH, "/gpupools/train/status", |body| {
-                assert_eq!(body["status"]["problems"][0]["reason"], "NotReported");
-            })
-        },
-        expect(Method::POST, "/events", |body| {
-            assert_eq!(body["reason"], "ReadyFalse")
-        }),
-        expect(Method::POST, "/events", |body| {
-            assert_eq!(body["reason"], "ConflictFalse")
-        }),
-    ];
-    let error = run_failing(f, &p, expected, handle).await;
-    assert!(
-        error
-            .to_string()
-            .contains("applying GpuNode n1: not written, this replica no longer leads"),
-        "{error}"
-    );
+    run_without_lease(
+        f,
+        &p,
+        handle,
+        |body| assert_eq!(body["status"]["problems"][0]["reason"], "NotReported"),
+        "applying GpuNode n1",
+    )
+    .await;
 }
 
 /// A replica that lost its lease takes no node out of its pool either: the GpuNode of a node
@@ -1060,27 +1077,7 @@ async fn a_lost_lease_deletes_no_gpunode() {
     node.metadata.labels.get_or_insert_default().remove("team");
     f.node(&node);
     f.gpunode(&ready_gpunode(&p, "n1"));
-    f.ctx.acting.cancel();
-    let answer = serde_json::to_value(&p).unwrap();
-    let expected = vec![
-        Expect {
-            answer: Some(answer),
-            ..expect(Method::PATCH, "/gpupools/train/status", |_| {})
-        },
-        expect(Method::POST, "/events", |body| {
-            assert_eq!(body["reason"], "ReadyFalse")
-        }),
-        expect(Method::POST, "/events", |body| {
-            assert_eq!(body["reason"], "ConflictFalse")
-        }),
-    ];
-    let error = run_failing(f, &p, expected, handle).await;
-    assert!(
-        error
-            .to_string()
-            .contains("deleting GpuNode n1: not written, this replica no longer leads"),
-        "{error}"
-    );
+    run_without_lease(f, &p, handle, |_| {}, "deleting GpuNode n1").await;
 }
 
 /// An operator (re)started into a cluster whose agent last wrote two hours ago, "idle": the
