@@ -56,11 +56,7 @@ impl Kubectl {
         S: AsRef<OsStr>,
     {
         let args: Vec<_> = args.into_iter().map(|a| a.as_ref().to_owned()).collect();
-        let shown = args
-            .iter()
-            .map(|a| a.to_string_lossy())
-            .collect::<Vec<_>>()
-            .join(" ");
+        let shown = shown(&args);
         let mut cmd = self.command();
         cmd.args(&args)
             .stdin(if stdin.is_some() {
@@ -114,11 +110,7 @@ impl Kubectl {
         let args: Vec<_> = args.into_iter().map(|a| a.as_ref().to_owned()).collect();
         let run = self.try_run(&args, stdin)?;
         if !run.success {
-            let shown = args
-                .iter()
-                .map(|a| a.to_string_lossy())
-                .collect::<Vec<_>>()
-                .join(" ");
+            let shown = shown(&args);
             bail!("kubectl {shown} failed: {}", run.stderr.trim());
         }
         Ok(run.stdout)
@@ -132,11 +124,7 @@ impl Kubectl {
         S: AsRef<OsStr>,
     {
         let args: Vec<_> = args.into_iter().map(|a| a.as_ref().to_owned()).collect();
-        let shown = args
-            .iter()
-            .map(|a| a.to_string_lossy())
-            .collect::<Vec<_>>()
-            .join(" ");
+        let shown = shown(&args);
         let run = self.try_run(&args, None)?;
         if run.success {
             bail!("kubectl {shown} went through; it should have been refused with {message:?}");
@@ -149,4 +137,12 @@ impl Kubectl {
         }
         Ok(())
     }
+}
+
+/// Arguments as a command line shows them, for messages.
+fn shown(args: &[std::ffi::OsString]) -> String {
+    args.iter()
+        .map(|a| a.to_string_lossy())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
